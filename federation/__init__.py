@@ -1,0 +1,1 @@
+"""inference-federation: one OpenAI-compatible endpoint over GPU sites in many regions."""

@@ -1,0 +1,156 @@
+"""`python -m nodes.emulator`: serve N emulated GPUs on ports P..P+N-1 from one process.
+
+Example: `python -m nodes.emulator --profile mi355x --workers 16 --port 30000`.
+It prints one `ready` line on stdout when every port accepts requests and stops
+cleanly on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+
+import structlog
+import uvloop
+
+from federation import logs
+from nodes.emulator import tokens
+from nodes.emulator.profiles import PROFILES
+from nodes.emulator.server import WorkerServer
+from nodes.emulator.worker import Faults, WorkerConfig
+
+log = structlog.get_logger("emulator")
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def at_least_one(text: str) -> float:
+    value = float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m nodes.emulator",
+        description="SGLang-compatible workers with calibrated MI300X / MI355X performance models.",
+    )
+    p.add_argument("--profile", choices=sorted(PROFILES), required=True, help="GPU to emulate")
+    p.add_argument("--workers", type=positive_int, default=1, help="GPUs (one port each)")
+    p.add_argument("--port", type=int, default=30000, help="first port; worker i gets port+i")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--speed", type=positive_float, default=1.0, help="0.1 = GPUs ten times slower")
+    p.add_argument("--max-running-requests", type=positive_int, default=None)
+    p.add_argument(
+        "--mean-output-tokens",
+        type=positive_float,
+        default=1278.0,
+        help="mean answer length when EOS is not ignored",
+    )
+    p.add_argument(
+        "--stream-chunk-ms",
+        type=positive_float,
+        default=100.0,
+        help="emulated ms between stream events after the first token",
+    )
+    p.add_argument("--model-path", default="openai/gpt-oss-120b")
+    p.add_argument("--served-model-name", default=None, help="defaults to --model-path")
+    p.add_argument("--incremental-streaming-output", action="store_true")
+    faults = p.add_argument_group("faults (for drills; also settable at POST /_emulator/faults)")
+    faults.add_argument("--slowdown", type=at_least_one, default=1.0, help="brownout factor")
+    faults.add_argument("--unhealthy", action="store_true", help="health checks answer 503")
+    faults.add_argument("--hang", action="store_true", help="accept requests, never answer")
+    faults.add_argument(
+        "--die-after-s",
+        type=positive_float,
+        default=None,
+        help="close every port and reset connections after this many seconds",
+    )
+    args = p.parse_args(argv)
+    if not 0 < args.port <= 65535 - args.workers + 1:
+        p.error(f"--port {args.port} with --workers {args.workers} runs past port 65535")
+    return args
+
+
+def worker_configs(args: argparse.Namespace) -> list[WorkerConfig]:
+    return [
+        WorkerConfig(
+            profile=PROFILES[args.profile],
+            port=args.port + i,
+            host=args.host,
+            speed=args.speed,
+            model_path=args.model_path,
+            served_model_name=args.served_model_name or args.model_path,
+            mean_output_tokens=args.mean_output_tokens,
+            max_running_requests=args.max_running_requests,
+            stream_chunk_ms=args.stream_chunk_ms,
+            incremental_streaming_output=args.incremental_streaming_output,
+        )
+        for i in range(args.workers)
+    ]
+
+
+async def serve(args: argparse.Namespace) -> int:
+    tokens.synthetic_text()  # build once, before the first request pays for it
+    servers = [
+        WorkerServer(c, Faults(slowdown=args.slowdown, unhealthy=args.unhealthy, hang=args.hang))
+        for c in worker_configs(args)
+    ]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        for s in servers:
+            await s.start()
+    except OSError as exc:
+        log.error("emulator.bind_failed", error=str(exc))
+        for s in servers:
+            await s.stop()
+        return 1
+    urls = [f"http://{args.host}:{s.config.port}" for s in servers]
+    print(
+        json.dumps(
+            {
+                "event": "ready",
+                "profile": args.profile,
+                "workers": len(urls),
+                "speed": args.speed,
+                "urls": urls,
+            }
+        ),
+        flush=True,
+    )
+    if args.die_after_s is not None:
+        for s in servers:
+            s.die_soon(args.die_after_s)
+    await stop.wait()
+    log.info("emulator.stopping", workers=len(servers))
+    await asyncio.gather(*(s.stop() for s in servers))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logs.configure()
+    return uvloop.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

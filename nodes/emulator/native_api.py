@@ -1,0 +1,358 @@
+"""SGLang's native HTTP endpoints: /generate, health, info, loads, metrics, control.
+
+Shapes follow SGLang 0.5.23 (see REFERENCE.md §1); `/get_load` keeps the 0.5.4 shape
+because older routers, sglang-router 0.3.2's power_of_two among them, poll it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import web
+
+from nodes.emulator import tokens
+from nodes.emulator.output import GenerateSpec
+from nodes.emulator.params import (
+    BodyError,
+    ContractError,
+    RequestError,
+    check_sampling_contract,
+    resolve_max_new_tokens,
+    verify_sampling,
+)
+from nodes.emulator.web_common import (
+    SSE_DONE,
+    WORKER_KEY,
+    json_response,
+    openai_error,
+    read_json_object,
+    sse,
+    sse_reply,
+    start_sse,
+)
+from nodes.emulator.worker import DuplicateRequestId, EmulatedWorker, Generation
+
+SGLANG_VERSION = "0.5.23"
+GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # /generate's default in SGLang
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is None and input_ids is None:
+        raise RequestError("Either text, input_ids or input_embeds should be provided.")
+    if text is not None:
+        if not isinstance(text, str):
+            raise RequestError("The emulator serves one prompt per request; send `text` as a string.")
+        return tokens.count(text)
+    if not isinstance(input_ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in input_ids
+    ):
+        raise RequestError("The emulator serves one prompt per request; send `input_ids` as a list of ints.")
+    if not input_ids:
+        raise RequestError("input_ids cannot be empty.")
+    bad = next((i for i in input_ids if not 0 <= i < tokens.VOCAB_SIZE), None)
+    if bad is not None:
+        raise RequestError(f"Token id {bad} is out of the vocabulary [0, {tokens.VOCAB_SIZE}).")
+    return len(input_ids)
+
+
+def generate_spec(worker: EmulatedWorker, body: dict[str, Any]) -> GenerateSpec:
+    """Validate a /generate body the way SGLang does, in SGLang's order."""
+    sampling = check_sampling_contract(body.get("sampling_params"))
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise BodyError(
+            f"[{{'type': 'string_type', 'loc': ('body', 'rid'), 'msg': 'Input should be a valid string', 'input': {rid!r}}}]"
+        )
+    prompt_tokens = _prompt_tokens(body)
+    params = verify_sampling(sampling, default_max_new_tokens=GENERATE_DEFAULT_MAX_NEW_TOKENS)
+    max_new = resolve_max_new_tokens(
+        prompt_tokens,
+        params.max_new_tokens,
+        explicit="max_new_tokens" in sampling,
+        context_length=worker.config.context_length,
+        kv_capacity_tokens=worker.engine.kv_capacity_tokens,
+    )
+    return GenerateSpec(
+        rid=rid or uuid.uuid4().hex,
+        prompt_tokens=prompt_tokens,
+        max_new_tokens=max_new,
+        min_new_tokens=min(params.min_new_tokens, max_new),
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        no_stop_trim=params.no_stop_trim,
+        seed=params.seed,
+        streaming=bool(body.get("stream")),
+    )
+
+
+def meta_info(gen: Generation, completion_tokens: int) -> dict[str, Any]:
+    finish = gen.finish_reason()
+    meta: dict[str, Any] = {"id": gen.spec.rid, "finish_reason": finish}
+    if not gen.aborted_in_queue:
+        meta["prompt_tokens"] = gen.spec.prompt_tokens
+    meta["weight_version"] = "default"
+    if not gen.aborted_in_queue:
+        meta.update(num_retractions=gen.seq.retractions, reasoning_tokens=0)
+    meta["completion_tokens"] = completion_tokens
+    if not gen.aborted_in_queue:
+        meta["cached_tokens"] = 0
+    if finish is not None:
+        meta["e2e_latency"] = gen.e2e_latency_s()
+        meta["response_sent_to_client_ts"] = time.time()
+    return meta
+
+
+async def handle_generate(request: web.Request) -> web.StreamResponse:
+    worker = request.app[WORKER_KEY]
+    try:
+        body = await read_json_object(request)
+    except BodyError as exc:
+        return openai_error(str(exc), err_type="Bad Request")
+    stream = body.get("stream") is True
+    try:
+        spec = generate_spec(worker, body)
+        gen = await worker.submit(spec)
+    except ContractError as exc:
+        return json_response({"error": str(exc)}, 400)
+    except BodyError as exc:
+        return openai_error(str(exc), err_type="Bad Request")
+    except (RequestError, DuplicateRequestId) as exc:
+        if not stream:
+            return json_response({"error": {"message": str(exc)}}, 400)
+        error = {"message": str(exc), "type": "invalid_request_error", "code": 400, "retryable": False}
+        return await sse_reply(request, [sse({"error": error}), SSE_DONE])
+    try:
+        if not stream:
+            await gen.seq.done
+            return json_response(_generate_event(gen, gen.tokens_now(), 0))
+        response = await start_sse(request)
+        sent = 0
+        async for k in gen.progress():
+            await response.write(sse(_generate_event(gen, k, sent)))
+            if worker.config.incremental_streaming_output:
+                sent = k
+        await response.write(SSE_DONE)
+        return response
+    finally:
+        worker.release(gen)
+
+
+def _generate_event(gen: Generation, k: int, since: int) -> dict[str, Any]:
+    text, ids = gen.text_and_ids(k)
+    if since:
+        done_text = gen.text_and_ids(since)[0]
+        text, ids = text[len(done_text) :], ids[since:]
+    return {"text": text, "output_ids": ids, "meta_info": meta_info(gen, k)}
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    """SGLang 0.5.23 runs a 1-token generation: under overload it is slow, as on a GPU."""
+    worker = request.app[WORKER_KEY]
+    if worker.faults.unhealthy:
+        return web.Response(status=503)
+    spec = GenerateSpec(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt_tokens=1, max_new_tokens=1)
+    gen = await worker.submit(spec)
+    try:
+        async with asyncio.timeout(HEALTH_CHECK_TIMEOUT_S):
+            await gen.seq.first_token
+    except TimeoutError:
+        return web.Response(status=503)
+    finally:
+        worker.release(gen)
+    return web.Response(status=200)
+
+
+def _model_info(worker: EmulatedWorker) -> dict[str, Any]:
+    c = worker.config
+    return {
+        "model_path": c.model_path,
+        "served_model_name": c.served_model_name,
+        "tokenizer_path": c.model_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "load_format": "auto",
+        "reasoning_parser": None,
+        "tool_call_parser": None,
+        "disaggregation_mode": "null",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": "gpt_oss",
+        "architectures": ["GptOssForCausalLM"],
+    }
+
+
+def _server_args(worker: EmulatedWorker) -> dict[str, Any]:
+    c, e = worker.config, worker.engine
+    return {
+        "model_path": c.model_path,
+        "tokenizer_path": c.model_path,
+        "served_model_name": c.served_model_name,
+        "host": c.host,
+        "port": c.port,
+        "tp_size": 1,
+        "dp_size": 1,
+        "pp_size": 1,
+        "context_length": c.context_length,
+        "chunked_prefill_size": c.profile.chunked_prefill_tokens,
+        "max_running_requests": e.max_running_requests,
+        "schedule_policy": "fcfs",
+        "schedule_conservativeness": 1.0,
+        "stream_interval": 1,
+        "incremental_streaming_output": c.incremental_streaming_output,
+        "enable_metrics": True,
+        "enable_mixed_chunk": True,
+        "enable_dp_attention": False,
+        "quantization": "fp8" if c.profile.name == "mi300x" else "mxfp4",
+    }
+
+
+async def handle_model_info(request: web.Request) -> web.Response:
+    return json_response(_model_info(request.app[WORKER_KEY]))
+
+
+async def handle_server_info(request: web.Request) -> web.Response:
+    worker = request.app[WORKER_KEY]
+    args = _server_args(worker)
+    max_req_len = min(worker.config.context_length - 1, worker.engine.kv_capacity_tokens - 1)
+    internal = {
+        **args,
+        "world_size": 1,
+        "effective_max_running_requests_per_dp": worker.engine.max_running_requests,
+        "last_gen_throughput": worker.metrics.gen_throughput(),
+        "memory_usage": {"token_capacity": worker.engine.kv_capacity_tokens},
+    }
+    return json_response(
+        {
+            **args,
+            "status": "ready",
+            "max_total_num_tokens": worker.engine.kv_capacity_tokens,
+            "max_req_input_len": max_req_len - 5,
+            "internal_states": [internal],
+            "version": SGLANG_VERSION,
+            "frontend": "python",
+            "emulated_gpu": worker.config.profile.name,
+        }
+    )
+
+
+def _load_entry(worker: EmulatedWorker) -> dict[str, Any]:
+    e = worker.engine
+    used = e.kv_used_tokens()
+    running = len(e.running) + len(e.prefilling)
+    return {
+        "timestamp": time.time(),
+        "dp_rank": 0,
+        "num_running_reqs": running,
+        "num_waiting_reqs": len(e.waiting),
+        "num_waiting_uncached_tokens": sum(s.prompt_tokens for s in e.waiting),
+        "num_used_tokens": used,
+        "num_total_tokens": used,
+        "num_active_tokens": used,
+        "num_prealloc_ready_tokens": 0,
+        "max_total_num_tokens": e.kv_capacity_tokens,
+        "max_running_requests": e.max_running_requests,
+        "token_usage": round(used / e.kv_capacity_tokens, 4),
+        "gen_throughput": round(worker.metrics.gen_throughput(), 2),
+        "cache_hit_rate": 0.0,
+        "utilization": running / e.max_running_requests,
+        "total_prefill_uncached_tokens": sum(s.prefill_left for s in e.prefilling),
+        "total_prefill_busy_us": 0,
+        "decode_moments": None,
+    }
+
+
+async def handle_loads(request: web.Request) -> web.Response:
+    worker = request.app[WORKER_KEY]
+    return json_response(
+        {
+            "timestamp": datetime.now(UTC).isoformat(),
+            "version": SGLANG_VERSION,
+            "accelerator": f"AMD Instinct {worker.config.profile.name.upper()} (emulated)",
+            "num_accelerators": 1,
+            "loads": [_load_entry(worker)],
+        }
+    )
+
+
+async def handle_get_load(request: web.Request) -> web.Response:
+    """SGLang 0.5.4's /get_load, still polled by older routers."""
+    e = request.app[WORKER_KEY].engine
+    waiting_tokens = sum(s.prompt_tokens for s in e.waiting)
+    entry = {
+        "rid": None,
+        "http_worker_ipc": None,
+        "dp_rank": 0,
+        "num_reqs": len(e.running) + len(e.prefilling) + len(e.waiting),
+        "num_waiting_reqs": len(e.waiting),
+        "num_tokens": e.kv_used_tokens() + waiting_tokens,
+    }
+    return json_response([entry])
+
+
+async def handle_flush_cache(request: web.Request) -> web.Response:
+    return web.Response(
+        text="Cache flushed.\nPlease check backend logs for more details. (When there are "
+        "running or waiting requests, the operation will not be performed.)\n"
+    )
+
+
+async def handle_abort_request(request: web.Request) -> web.Response:
+    worker = request.app[WORKER_KEY]
+    try:
+        body = await read_json_object(request)
+    except BodyError as exc:
+        return openai_error(str(exc), err_type="Bad Request")
+    rid, abort_all = body.get("rid") or "", bool(body.get("abort_all"))
+    if not isinstance(rid, str):
+        return json_response({"error": {"message": "rid must be a string"}}, 400)
+    if abort_all:
+        worker.abort_all("Abort requested by /abort_request")
+    elif rid:
+        worker.abort_prefix(rid)
+    return web.Response(status=200)
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    body = request.app[WORKER_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    c = request.app[WORKER_KEY].config
+    model = {
+        "id": c.served_model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "sglang",
+        "root": c.served_model_name,
+        "parent": None,
+        "max_model_len": c.context_length,
+    }
+    return json_response({"object": "list", "data": [model]})
+
+
+ROUTES: list[tuple[str, str, Callable[[web.Request], Any]]] = [
+    ("POST", "/generate", handle_generate),
+    ("GET", "/health", handle_health),
+    ("GET", "/health_generate", handle_health),
+    ("GET", "/model_info", handle_model_info),
+    ("GET", "/get_model_info", handle_model_info),
+    ("GET", "/server_info", handle_server_info),
+    ("GET", "/get_server_info", handle_server_info),
+    ("GET", "/v1/loads", handle_loads),
+    ("GET", "/get_load", handle_get_load),
+    ("GET", "/flush_cache", handle_flush_cache),
+    ("POST", "/flush_cache", handle_flush_cache),
+    ("POST", "/abort_request", handle_abort_request),
+    ("GET", "/metrics", handle_metrics),
+    ("GET", "/v1/models", handle_models),
+]

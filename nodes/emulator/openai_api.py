@@ -1,0 +1,378 @@
+"""SGLang's OpenAI-compatible routes: /v1/chat/completions and /v1/completions.
+
+Bodies, chunk framing and error messages follow SGLang 0.5.23's serving_chat and
+serving_completions; chat prompts are rendered in the Harmony format before they are
+counted, as the gpt-oss chat template would render them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from datetime import date
+from typing import Any
+
+from aiohttp import web
+
+from nodes.emulator import tokens
+from nodes.emulator.output import GenerateSpec
+from nodes.emulator.params import (
+    BodyError,
+    ContractError,
+    RequestError,
+    resolve_max_new_tokens,
+    verify_sampling,
+)
+from nodes.emulator.web_common import (
+    SSE_DONE,
+    WORKER_KEY,
+    json_response,
+    openai_error,
+    read_json_object,
+    sse,
+    start_sse,
+)
+from nodes.emulator.worker import DuplicateRequestId, EmulatedWorker, Generation
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and SGLang's) /v1/completions default
+_PYDANTIC_TYPES = {
+    int: ("int_type", "a valid integer"),
+    float: ("float_type", "a valid number"),
+    bool: ("bool_type", "a valid boolean"),
+    str: ("string_type", "a valid string"),
+    list: ("list_type", "a valid list"),
+    dict: ("dict_type", "a valid dictionary"),
+}
+# Request fields that map onto sampling parameters, with their JSON types.
+_SAMPLING_FIELDS: dict[str, type] = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "frequency_penalty": float,
+    "presence_penalty": float,
+    "repetition_penalty": float,
+    "stop_token_ids": list,
+    "ignore_eos": bool,
+    "no_stop_trim": bool,
+    "n": int,
+    "seed": int,
+    "min_tokens": int,
+    "max_tokens": int,
+    "max_completion_tokens": int,
+}
+
+
+def _type_error(field: str, expected: type, value: Any) -> BodyError:
+    kind, text = _PYDANTIC_TYPES[expected]
+    return BodyError(
+        f"[{{'type': '{kind}', 'loc': ('body', '{field}'), 'msg': 'Input should be {text}', 'input': {value!r}}}]"
+    )
+
+
+def _check_type(body: dict[str, Any], field: str, expected: type) -> Any:
+    value = body.get(field)
+    if value is None:
+        return None
+    ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
+    if expected is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok:
+        raise _type_error(field, expected, value)
+    return value
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    for field, expected in _SAMPLING_FIELDS.items():
+        _check_type(body, field, expected)
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise _type_error("stop", str, stop)
+    sp = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
+    if "seed" in sp:
+        sp["sampling_seed"] = sp.pop("seed")
+    if "min_tokens" in sp:
+        sp["min_new_tokens"] = sp.pop("min_tokens")
+    max_new = sp.pop("max_completion_tokens", None) or sp.pop("max_tokens", None)
+    sp.pop("max_tokens", None)
+    if max_new is not None:
+        sp["max_new_tokens"] = max_new
+    if stop is not None:
+        sp["stop"] = stop
+    return sp
+
+
+def _spec(
+    worker: EmulatedWorker, body: dict[str, Any], prompt_tokens: int, default_max: int | None
+) -> GenerateSpec:
+    sampling = _sampling(body)
+    params = verify_sampling(sampling, default_max_new_tokens=default_max)
+    max_new = resolve_max_new_tokens(
+        prompt_tokens,
+        params.max_new_tokens,
+        explicit="max_new_tokens" in sampling,
+        context_length=worker.config.context_length,
+        kv_capacity_tokens=worker.engine.kv_capacity_tokens,
+    )
+    rid = body.get("rid")
+    return GenerateSpec(
+        rid=rid if isinstance(rid, str) and rid else uuid.uuid4().hex,
+        prompt_tokens=prompt_tokens,
+        max_new_tokens=max_new,
+        min_new_tokens=min(params.min_new_tokens, max_new),
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        no_stop_trim=params.no_stop_trim,
+        seed=params.seed,
+        streaming=body.get("stream") is True,
+    )
+
+
+def _message_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def _chat_prompt_tokens(body: dict[str, Any]) -> int:
+    messages = body.get("messages")
+    if messages is None:
+        raise BodyError(
+            f"[{{'type': 'missing', 'loc': ('body', 'messages'), 'msg': 'Field required', 'input': {body!r}}}]"
+        )
+    if not isinstance(messages, list):
+        raise _type_error("messages", list, messages)
+    if not messages:
+        raise RequestError("Messages cannot be empty.")
+    rendered = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BodyError(
+                f"[{{'type': 'union_tag_invalid', 'loc': ('body', 'messages', {i}), 'msg': 'Input tag not found: every message needs a string role', 'input': {m!r}}}]"
+            )
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise _type_error(f"messages.{i}.content", str, content)
+        rendered.append({"role": m["role"], "content": _message_text(content)})
+    effort = body.get("reasoning_effort") or "medium"
+    if effort == "none":
+        raise RequestError("Harmony does not support reasoning effort none")
+    text = tokens.render_harmony(rendered, reasoning_effort=effort, today=date.today().isoformat())
+    return tokens.count(text)
+
+
+def _completion_prompt_tokens(body: dict[str, Any]) -> int:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise BodyError(
+            f"[{{'type': 'missing', 'loc': ('body', 'prompt'), 'msg': 'Field required', 'input': {body!r}}}]"
+        )
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("Prompt cannot be empty")
+        return tokens.count(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not prompt:
+            raise RequestError("Prompt cannot be empty")
+        return len(prompt)
+    raise RequestError("The emulator serves one prompt per request; send `prompt` as a string or token ids.")
+
+
+def _finish(gen: Generation) -> tuple[str | None, Any]:
+    """OpenAI's finish_reason and SGLang's matched_stop for a request."""
+    reason = gen.finish_reason()
+    if reason is None:
+        return None, None
+    kind = reason["type"]
+    if kind == "stop":
+        return "stop", reason.get("matched")
+    return ("length" if kind == "length" else "abort"), None
+
+
+def _usage(gen: Generation, completion_tokens: int) -> dict[str, Any]:
+    prompt = gen.spec.prompt_tokens
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+        "reasoning_tokens": 0,
+        "completion_tokens_details": None,
+    }
+
+
+async def _serve(
+    request: web.Request,
+    prompt_tokens: Callable[[dict[str, Any]], int],
+    default_max: int | None,
+    whole: Callable[[dict[str, Any], Generation], dict[str, Any]],
+    chunks: Callable[[dict[str, Any], Generation], AsyncIterator[dict[str, Any]]],
+) -> web.StreamResponse:
+    """Validate, submit, then answer whole or as SSE chunks; abort if the client leaves."""
+    worker = request.app[WORKER_KEY]
+    try:
+        body = await read_json_object(request)
+        stream_options = _check_type(body, "stream_options", dict) or {}
+        if body.get("stream") not in (None, True, False):
+            raise _type_error("stream", bool, body["stream"])
+        spec = _spec(worker, body, prompt_tokens(body), default_max)
+        gen = await worker.submit(spec)
+    except BodyError as exc:
+        return openai_error(str(exc), err_type="Bad Request")
+    except (RequestError, ContractError, DuplicateRequestId) as exc:
+        return openai_error(str(exc))
+    try:
+        if spec.streaming:
+            response = await start_sse(request)
+            async for event in chunks({**body, "stream_options": stream_options}, gen):
+                await response.write(sse(event))
+            await response.write(SSE_DONE)
+            return response
+        await gen.seq.done
+        return json_response(whole(body, gen))
+    finally:
+        worker.release(gen)
+
+
+def _chat_body(body: dict[str, Any], gen: Generation) -> dict[str, Any]:
+    k = gen.tokens_now()
+    finish, matched = _finish(gen)
+    return {
+        "id": gen.spec.rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model") or "default",
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": gen.text_and_ids(k)[0],
+                    "reasoning_content": None,
+                },
+                "logprobs": None,
+                "finish_reason": finish,
+                "matched_stop": matched,
+            }
+        ],
+        "usage": _usage(gen, k),
+        "metadata": {"weight_version": "default"},
+    }
+
+
+async def _chat_chunks(body: dict[str, Any], gen: Generation) -> AsyncIterator[dict[str, Any]]:
+    head = {
+        "id": gen.spec.rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": body.get("model") or "default",
+    }
+    options = body["stream_options"]
+    continuous = bool(options.get("continuous_usage_stats"))
+
+    def choice(delta: dict[str, Any], finish: str | None = None, matched: Any = None) -> dict[str, Any]:
+        return {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish,
+            "matched_stop": matched,
+        }
+
+    yield {**head, "choices": [choice({"reasoning_content": None, "role": "assistant", "content": ""})]}
+    sent_text, k = "", 0
+    async for k in gen.progress():
+        text = gen.text_and_ids(k)[0]
+        delta = text[len(sent_text) :]
+        if delta:
+            sent_text = text
+            chunk = {**head, "choices": [choice({"reasoning_content": None, "content": delta})]}
+            if continuous:
+                chunk["usage"] = _usage(gen, k)
+            yield chunk
+    finish, matched = _finish(gen)
+    yield {**head, "choices": [choice({"reasoning_content": None}, finish, matched)]}
+    if options.get("include_usage"):
+        yield {**head, "choices": [], "usage": _usage(gen, k)}
+
+
+def _completion_body(body: dict[str, Any], gen: Generation) -> dict[str, Any]:
+    k = gen.tokens_now()
+    finish, matched = _finish(gen)
+    return {
+        "id": gen.spec.rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model") or "default",
+        "choices": [
+            {
+                "index": 0,
+                "text": gen.text_and_ids(k)[0],
+                "logprobs": None,
+                "finish_reason": finish,
+                "matched_stop": matched,
+            }
+        ],
+        "usage": _usage(gen, k),
+        "metadata": {"weight_version": "default"},
+    }
+
+
+async def _completion_chunks(body: dict[str, Any], gen: Generation) -> AsyncIterator[dict[str, Any]]:
+    head = {
+        "id": gen.spec.rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model") or "default",
+    }
+    sent_text, k = "", 0
+    async for k in gen.progress():
+        text = gen.text_and_ids(k)[0]
+        finish, matched = _finish(gen)
+        delta = text[len(sent_text) :]
+        if delta or finish is not None:
+            sent_text = text
+            yield {
+                **head,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": delta,
+                        "logprobs": None,
+                        "finish_reason": finish,
+                        "matched_stop": matched,
+                    }
+                ],
+                "usage": None,
+            }
+    if body["stream_options"].get("include_usage"):
+        usage = {k_: v for k_, v in _usage(gen, k).items() if v is not None}
+        yield {**head, "choices": [], "usage": usage}
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, _chat_prompt_tokens, None, _chat_body, _chat_chunks)
+
+
+async def handle_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(
+        request,
+        _completion_prompt_tokens,
+        COMPLETIONS_DEFAULT_MAX_TOKENS,
+        _completion_body,
+        _completion_chunks,
+    )
+
+
+ROUTES: list[tuple[str, str, Callable[[web.Request], Any]]] = [
+    ("POST", "/v1/chat/completions", handle_chat),
+    ("POST", "/v1/completions", handle_completions),
+]

@@ -1,0 +1,138 @@
+"""Tokens as GPT-OSS-120B sees them: o200k_harmony counting and exact synthetic output.
+
+Prompt lengths decide prefill cost and KV use, so they are counted with the real
+tokenizer (o200k_base shipped offline by `bpe-openai`, plus the Harmony special
+tokens, each one token). Output is synthetic, but honest: it is built from words
+that are single o200k tokens and that the tokenizer's pre-split keeps apart, so the
+text holds exactly as many tokens as `completion_tokens` says, and every prefix a
+stream sends is itself whole tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+
+import bpe_openai
+
+# Harmony special tokens of o200k_harmony (ids from the gpt-oss tokenizer).
+HARMONY_SPECIALS: Mapping[str, int] = {
+    "<|startoftext|>": 199998,
+    "<|endoftext|>": 199999,
+    "<|return|>": 200002,
+    "<|constrain|>": 200003,
+    "<|channel|>": 200005,
+    "<|start|>": 200006,
+    "<|end|>": 200007,
+    "<|message|>": 200008,
+    "<|call|>": 200012,
+}
+VOCAB_SIZE = 201_088  # gpt-oss embedding rows; input_ids must be below this
+EOS_TOKEN_IDS = (200002, 200012, 199999)  # <|return|>, <|call|>, <|endoftext|>
+_SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in HARMONY_SPECIALS) + ")")
+
+KNOWLEDGE_CUTOFF = "2024-06"  # what the gpt-oss chat template prints in its system message
+SYNTHETIC_STREAM_TOKENS = 1 << 16  # length of the repeating synthetic output stream
+
+
+@cache
+def _encoding() -> bpe_openai.Encoding:
+    return bpe_openai.get_encoding("o200k_base")
+
+
+def encode(text: str) -> list[int]:
+    """Token ids of `text`, Harmony special tokens included (as the HF tokenizer does)."""
+    enc = _encoding()
+    ids: list[int] = []
+    for part in _SPECIAL_SPLIT.split(text):
+        if part in HARMONY_SPECIALS:
+            ids.append(HARMONY_SPECIALS[part])
+        elif part:
+            ids.extend(enc.encode_ordinary(part))
+    return ids
+
+
+def count(text: str) -> int:
+    return len(encode(text))
+
+
+def render_harmony(
+    messages: Sequence[Mapping[str, str]], *, reasoning_effort: str = "medium", today: str
+) -> str:
+    """Render chat messages as the gpt-oss chat template does, ending with the
+    generation prompt `<|start|>assistant`. A leading `system` or `developer` message
+    becomes the developer instructions, as in the model's own template."""
+    system = (
+        "You are ChatGPT, a large language model trained by OpenAI.\n"
+        f"Knowledge cutoff: {KNOWLEDGE_CUTOFF}\nCurrent date: {today}\n\n"
+        f"Reasoning: {reasoning_effort}\n\n"
+        "# Valid channels: analysis, commentary, final. "
+        "Channel must be included for every message."
+    )
+    parts = [f"<|start|>system<|message|>{system}<|end|>"]
+    if messages and messages[0]["role"] in ("system", "developer"):
+        parts.append(f"<|start|>developer<|message|># Instructions\n\n{messages[0]['content']}\n\n<|end|>")
+        messages = messages[1:]
+    for m in messages:
+        role, content = m["role"], m["content"]
+        if role == "user":
+            parts.append(f"<|start|>user<|message|>{content}<|end|>")
+        elif role == "assistant":
+            parts.append(f"<|start|>assistant<|channel|>final<|message|>{content}<|end|>")
+        elif role == "tool":
+            parts.append(f"<|start|>functions to=assistant<|channel|>commentary<|message|>{content}<|end|>")
+    parts.append("<|start|>assistant")
+    return "".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticText:
+    """A long repeating stream of single-token words; a request's output is a window of it."""
+
+    ids: tuple[int, ...]
+    text: str
+    char_starts: tuple[int, ...]  # char offset of token i in `text` (len(ids) + 1 entries)
+
+    @property
+    def period(self) -> int:
+        return len(self.ids) // 2
+
+    def window(self, offset: int, n: int) -> tuple[str, list[int]]:
+        """The `n` tokens starting at `offset` (mod the period): text and ids."""
+        start = offset % self.period
+        return (
+            self.text[self.char_starts[start] : self.char_starts[start + n]],
+            list(self.ids[start : start + n]),
+        )
+
+    def tokens_covering(self, offset: int, char_end: int) -> int:
+        """How many tokens of the window at `offset` it takes to hold its first `char_end` chars."""
+        start = offset % self.period
+        return bisect.bisect_left(self.char_starts, self.char_starts[start] + char_end) - start
+
+
+@cache
+def synthetic_text(max_window: int = 140_000) -> SyntheticText:
+    """Build the stream once per process (well under a second)."""
+    enc = _encoding()
+    words = [
+        (token_id, raw.decode())
+        for token_id, raw in enumerate(enc.token_byte_values())
+        if re.fullmatch(rb" [a-z]{3,9}", raw) and enc.encode_ordinary(raw.decode()) == [token_id]
+    ]
+    rng = random.Random(20_260_101)  # fixed: the same text on every worker and every run
+    period = max(SYNTHETIC_STREAM_TOKENS, max_window)
+    chosen = [rng.choice(words) for _ in range(period)]
+    chosen += chosen[:max_window]  # a window may wrap past the period
+    starts = [0]
+    for _, piece in chosen:
+        starts.append(starts[-1] + len(piece))
+    return SyntheticText(
+        ids=tuple(t for t, _ in chosen),
+        text="".join(p for _, p in chosen),
+        char_starts=tuple(starts),
+    )

@@ -1,0 +1,180 @@
+"""One emulated SGLang worker: engine, metrics, faults and the requests in flight.
+
+The HTTP layers (`native_api`, `openai_api`) parse and answer; this module owns what
+a request does inside the server: the TTFT fixed cost, the engine, the abort path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from nodes.emulator import tokens
+from nodes.emulator.engine import Engine, Sequence
+from nodes.emulator.metrics import WorkerMetrics
+from nodes.emulator.output import GenerateSpec, OutputPlan, plan_output
+from nodes.emulator.profiles import MODEL_CONTEXT_TOKENS, GpuProfile
+
+
+class DuplicateRequestId(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    profile: GpuProfile
+    port: int
+    host: str = "127.0.0.1"
+    speed: float = 1.0
+    model_path: str = "openai/gpt-oss-120b"
+    served_model_name: str = "openai/gpt-oss-120b"
+    mean_output_tokens: float = 1278.0  # MLPerf gpt-oss-120b mean output length
+    max_running_requests: int | None = None
+    stream_chunk_ms: float = 100.0  # emulated ms between SSE events of one stream
+    context_length: int = MODEL_CONTEXT_TOKENS
+    incremental_streaming_output: bool = False
+
+
+@dataclass(slots=True)
+class Faults:
+    """Drill faults. Served under /_emulator/ and settable by flags."""
+
+    slowdown: float = 1.0  # brownout: every step takes this many times longer
+    unhealthy: bool = False  # /health and /health_generate answer 503
+    hang: bool = False  # accept requests, never answer
+    dead: bool = False  # the worker has died: its port is closed
+
+
+@dataclass(eq=False, slots=True)
+class Generation:
+    spec: GenerateSpec
+    plan: OutputPlan
+    seq: Sequence
+    worker: EmulatedWorker = field(repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.done.done()
+
+    def tokens_now(self) -> int:
+        if self.seq.abort_message is not None:
+            return self.seq.aborted_tokens
+        return self.worker.engine.generated_tokens(self.seq)
+
+    def text_and_ids(self, k: int) -> tuple[str, list[int]]:
+        return self.plan.text_and_ids(self.worker.synth, k)
+
+    @property
+    def aborted_in_queue(self) -> bool:
+        return self.seq.abort_message is not None and self.seq.admitted_at is None
+
+    def finish_reason(self) -> dict[str, object] | None:
+        """SGLang's finish_reason: None while running."""
+        if self.aborted_in_queue:
+            return {"type": "abort", "message": "Abort in waiting queue"}
+        if self.seq.abort_message is not None:
+            return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        return self.plan.finish_reason if self.finished else None
+
+    def e2e_latency_s(self) -> float:
+        """Wall seconds from arrival to the end (to now while running)."""
+        seq = self.seq
+        end = seq.finished_at or asyncio.get_running_loop().time()
+        return end - seq.arrived_at
+
+    async def progress(self) -> AsyncIterator[int]:
+        """Token counts as they grow: the first token as it is emitted, then at most one
+        count per chunk interval, then the final count when the request ends."""
+        interval = self.worker.config.stream_chunk_ms / 1000.0 / self.worker.config.speed
+        await self.seq.first_token
+        last = 1 if self.seq.first_token_at is not None and not self.finished else -1
+        if last == 1:
+            yield 1
+        while True:
+            await asyncio.wait((self.seq.done,), timeout=interval)
+            done = self.finished
+            n = self.tokens_now()
+            if n != last or done:
+                last = n
+                yield n
+            if done:
+                return
+
+
+class EmulatedWorker:
+    def __init__(self, config: WorkerConfig, faults: Faults | None = None) -> None:
+        self.config = config
+        self.faults = faults or Faults()
+        self.metrics = WorkerMetrics(config.served_model_name)
+        self.engine = Engine(
+            config.profile,
+            speed=config.speed,
+            max_running_requests=config.max_running_requests,
+            listener=self.metrics,
+        )
+        self.engine.set_slowdown(self.faults.slowdown)
+        self.metrics.engine = self.engine
+        self.synth = tokens.synthetic_text()
+        self.in_flight: dict[str, Generation] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.engine.run())
+
+    async def stop(self) -> None:
+        self.abort_all("Server is shutting down")
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def set_slowdown(self, factor: float) -> None:
+        self.faults.slowdown = factor
+        self.engine.set_slowdown(factor)
+
+    async def submit(self, spec: GenerateSpec) -> Generation:
+        """Admit a request: the fixed pre-GPU cost, then the engine's queue."""
+        if spec.rid in self.in_flight:
+            raise DuplicateRequestId(f"Duplicate request ID: {spec.rid}")
+        loop = asyncio.get_running_loop()
+        plan = plan_output(spec, self.synth, self.config.mean_output_tokens)
+        seq = Sequence(
+            rid=spec.rid,
+            prompt_tokens=spec.prompt_tokens,
+            target_tokens=plan.tokens,
+            max_new_tokens=spec.max_new_tokens,
+            arrived_at=loop.time(),
+            streaming=spec.streaming,
+        )
+        gen = Generation(spec, plan, seq, self)
+        self.in_flight[spec.rid] = gen
+        try:
+            c0_s = self.config.profile.ttft_fixed_ms / 1000.0 / self.config.speed
+            await asyncio.sleep(c0_s * self.faults.slowdown)
+        except asyncio.CancelledError:
+            del self.in_flight[spec.rid]
+            raise
+        if seq.abort_message is None:
+            self.engine.submit(seq)
+        return gen
+
+    def release(self, gen: Generation) -> None:
+        """The HTTP side is done with `gen`: abort it if it is still running (client gone)."""
+        self.in_flight.pop(gen.spec.rid, None)
+        if not gen.finished:
+            self.abort(gen, "The client disconnected")
+
+    def abort(self, gen: Generation, message: str) -> None:
+        if gen.seq.abort_message is None and not gen.finished:
+            self.metrics.on_abort(gen.seq)
+            self.engine.abort(gen.seq, message)
+
+    def abort_prefix(self, rid: str) -> None:
+        """SGLang's /abort_request matches request ids by prefix."""
+        for key, gen in list(self.in_flight.items()):
+            if key.startswith(rid):
+                self.abort(gen, "Abort requested by /abort_request")
+
+    def abort_all(self, message: str) -> None:
+        for gen in list(self.in_flight.values()):
+            self.abort(gen, message)

@@ -1,0 +1,126 @@
+"""SGLang's /generate as the emulator serves it, driven over real HTTP."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+
+from nodes.emulator import tokens
+from tests.procs import Emulator
+
+
+async def _events(resp: aiohttp.ClientResponse) -> list[dict]:
+    events, done = [], False
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line:
+            continue
+        assert line.startswith("data: ")
+        payload = line[len("data: ") :]
+        if payload == "[DONE]":
+            done = True
+            continue
+        assert not done, "nothing may follow [DONE]"
+        events.append(json.loads(payload))
+    assert done, "the stream ends with data: [DONE]"
+    return events
+
+
+async def test_generate_text_returns_exact_meta_info(mi355x: Emulator, http: aiohttp.ClientSession) -> None:
+    """A non-stream /generate answers text, output_ids and SGLang's meta_info; the text holds
+    exactly completion_tokens tokens and the prompt is counted with o200k."""
+    prompt = "The quick brown fox jumps over the lazy dog."
+    body = {"text": prompt, "rid": "req-1", "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+    async with http.post(mi355x.urls[0] + "/generate", json=body) as resp:
+        assert resp.status == 200
+        out = await resp.json()
+    meta = out["meta_info"]
+    assert meta["id"] == "req-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 40}
+    assert meta["prompt_tokens"] == len(tokens.encode(prompt))
+    assert meta["completion_tokens"] == 40 == len(out["output_ids"])
+    assert tokens.encode(out["text"]) == out["output_ids"]
+    assert meta["e2e_latency"] > 0
+    assert {"weight_version", "cached_tokens", "num_retractions"} <= meta.keys()
+
+
+async def test_generate_input_ids_and_default_length(mi355x: Emulator, http: aiohttp.ClientSession) -> None:
+    """input_ids count as the prompt; without max_new_tokens /generate stops at SGLang's default
+    of 128 tokens unless the model ended its answer first."""
+    body = {"input_ids": [1, 2, 3, 4, 5], "sampling_params": {"sampling_seed": 3}}
+    async with http.post(mi355x.urls[1] + "/generate", json=body) as resp:
+        out = await resp.json()
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == 5
+    assert meta["completion_tokens"] <= 128
+    if meta["finish_reason"]["type"] == "length":
+        assert meta["completion_tokens"] == 128
+
+
+async def test_eos_finish_counts_the_hidden_eos_token(mi355x: Emulator, http: aiohttp.ClientSession) -> None:
+    """Answers end at EOS when the limit allows: finish_reason reports <|return|> (200002), which
+    stays in output_ids and in completion_tokens but not in the text."""
+    lengths = []
+    for seed in range(4):
+        body = {"text": "Why?", "sampling_params": {"max_new_tokens": 60000, "sampling_seed": seed}}
+        async with http.post(mi355x.urls[1] + "/generate", json=body) as resp:
+            out = await resp.json()
+        meta = out["meta_info"]
+        assert meta["finish_reason"] == {"type": "stop", "matched": 200002}
+        assert out["output_ids"][-1] == 200002
+        assert len(tokens.encode(out["text"])) == meta["completion_tokens"] - 1
+        lengths.append(meta["completion_tokens"])
+    assert len(set(lengths)) > 1, "answer lengths vary like a model's"
+
+
+async def test_stream_is_cumulative_and_ends_with_done(mi355x: Emulator, http: aiohttp.ClientSession) -> None:
+    """Streaming events carry everything so far (text, output_ids, completion_tokens); the last one
+    has the finish reason and e2e_latency, and `data: [DONE]` closes the stream."""
+    body = {"text": "Count to a hundred.", "stream": True, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+    async with http.post(mi355x.urls[0] + "/generate", json=body) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        events = await _events(resp)
+    assert len(events) >= 2
+    assert events[0]["meta_info"]["completion_tokens"] == 1
+    previous = ""
+    for event in events:
+        assert event["text"].startswith(previous)
+        assert len(event["output_ids"]) == event["meta_info"]["completion_tokens"]
+        previous = event["text"]
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+    last = events[-1]["meta_info"]
+    assert last["finish_reason"] == {"type": "length", "length": 300}
+    assert last["completion_tokens"] == 300 and "e2e_latency" in last
+
+
+async def test_stop_string_trims_text_and_reports_match(mi355x: Emulator, http: aiohttp.ClientSession) -> None:
+    """A stop string ends generation where the model produced it: finish_reason names it, the text
+    is cut before it, and completion_tokens counts the tokens up to the one that completed it."""
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "sampling_seed": 7}}
+    async with http.post(mi355x.urls[0] + "/generate", json=body) as resp:
+        full = await resp.json()
+    stop_word = full["text"].split()[25]
+    body["sampling_params"]["stop"] = [" " + stop_word]
+    async with http.post(mi355x.urls[0] + "/generate", json=body) as resp:
+        cut = await resp.json()
+    meta = cut["meta_info"]
+    assert meta["finish_reason"] == {"type": "stop", "matched": " " + stop_word}
+    at = full["text"].index(" " + stop_word)
+    assert cut["text"] == full["text"][:at]
+    assert meta["completion_tokens"] == len(tokens.encode(full["text"][: at + len(stop_word) + 1]))
+
+
+async def test_abort_request_ends_running_request(fresh_worker: Emulator, http: aiohttp.ClientSession) -> None:
+    """POST /abort_request ends a running request with finish_reason abort and the tokens it had."""
+    url = fresh_worker.urls[0]
+    body = {"text": "long", "rid": "to-abort", "stream": True, "sampling_params": {"max_new_tokens": 20000, "ignore_eos": True}}
+    async with http.post(url + "/generate", json=body) as resp:
+        first = await resp.content.readline()
+        assert json.loads(first.decode()[len("data: ") :])["meta_info"]["completion_tokens"] == 1
+        async with http.post(url + "/abort_request", json={"rid": "to-abort"}) as abort:
+            assert abort.status == 200
+        events = await _events(resp)
+    final = events[-1]["meta_info"]
+    assert final["finish_reason"]["type"] == "abort"
+    assert 1 <= final["completion_tokens"] < 20000
