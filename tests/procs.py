@@ -59,7 +59,11 @@ def start_emulator(*args: str, host: str = "127.0.0.1", netns: str | None = None
     if netns is not None:
         cmd = ["ip", "netns", "exec", netns, *cmd]
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=None, text=True,
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=None,
+        text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     deadline = time.monotonic() + READY_TIMEOUT_S

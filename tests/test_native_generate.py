@@ -77,7 +77,11 @@ async def test_eos_finish_counts_the_hidden_eos_token(mi355x: Emulator, http: ai
 async def test_stream_is_cumulative_and_ends_with_done(mi355x: Emulator, http: aiohttp.ClientSession) -> None:
     """Streaming events carry everything so far (text, output_ids, completion_tokens); the last one
     has the finish reason and e2e_latency, and `data: [DONE]` closes the stream."""
-    body = {"text": "Count to a hundred.", "stream": True, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+    body = {
+        "text": "Count to a hundred.",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 300, "ignore_eos": True},
+    }
     async with http.post(mi355x.urls[0] + "/generate", json=body) as resp:
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         events = await _events(resp)
@@ -94,7 +98,9 @@ async def test_stream_is_cumulative_and_ends_with_done(mi355x: Emulator, http: a
     assert last["completion_tokens"] == 300 and "e2e_latency" in last
 
 
-async def test_stop_string_trims_text_and_reports_match(mi355x: Emulator, http: aiohttp.ClientSession) -> None:
+async def test_stop_string_trims_text_and_reports_match(
+    mi355x: Emulator, http: aiohttp.ClientSession
+) -> None:
     """A stop string ends generation where the model produced it: finish_reason names it, the text
     is cut before it, and completion_tokens counts the tokens up to the one that completed it."""
     body = {"text": "x", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "sampling_seed": 7}}
@@ -111,10 +117,17 @@ async def test_stop_string_trims_text_and_reports_match(mi355x: Emulator, http: 
     assert meta["completion_tokens"] == len(tokens.encode(full["text"][: at + len(stop_word) + 1]))
 
 
-async def test_abort_request_ends_running_request(fresh_worker: Emulator, http: aiohttp.ClientSession) -> None:
+async def test_abort_request_ends_running_request(
+    fresh_worker: Emulator, http: aiohttp.ClientSession
+) -> None:
     """POST /abort_request ends a running request with finish_reason abort and the tokens it had."""
     url = fresh_worker.urls[0]
-    body = {"text": "long", "rid": "to-abort", "stream": True, "sampling_params": {"max_new_tokens": 20000, "ignore_eos": True}}
+    body = {
+        "text": "long",
+        "rid": "to-abort",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 20000, "ignore_eos": True},
+    }
     async with http.post(url + "/generate", json=body) as resp:
         first = await resp.content.readline()
         assert json.loads(first.decode()[len("data: ") :])["meta_info"]["completion_tokens"] == 1

@@ -212,10 +212,11 @@ class Engine:
         """Advance the emulated GPU forever; cancel to stop."""
         while True:
             seg = self._plan()
-            if seg is None:
-                self._event_t = math.inf
-                await self._sleep_until(math.inf)
+            if seg is None:  # idle until something arrives; the clock jumps to it
+                if self._event_t == math.inf:
+                    await self._sleep_until(math.inf)
                 self.boundary_t = max(self.boundary_t, min(self._event_t, self._loop.time()))
+                self._event_t = math.inf
                 continue
             self._segment = seg
             while True:
