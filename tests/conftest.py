@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator, Iterator
 import aiohttp
 import pytest
 
-from tests.procs import Emulator, start_emulator
+from nodes.emulator.launch import EmulatorProcess as Emulator
+from nodes.emulator.launch import launch
 
 FAST = "20"  # emulated GPUs 20x faster than real ones: tests finish in seconds
 
@@ -15,7 +16,7 @@ FAST = "20"  # emulated GPUs 20x faster than real ones: tests finish in seconds
 @pytest.fixture(scope="session")
 def mi355x() -> Iterator[Emulator]:
     """Two emulated MI355X workers, shared by tests that don't change their state."""
-    emu = start_emulator("--profile", "mi355x", "--workers", "2", "--speed", FAST)
+    emu = launch(["--profile", "mi355x", "--workers", "2", "--speed", FAST])
     yield emu
     assert emu.stop() == 0
 
@@ -23,7 +24,7 @@ def mi355x() -> Iterator[Emulator]:
 @pytest.fixture
 def fresh_worker() -> Iterator[Emulator]:
     """One emulated MI300X worker of the test's own (faults, aborts, counters)."""
-    emu = start_emulator("--profile", "mi300x", "--workers", "1", "--speed", FAST)
+    emu = launch(["--profile", "mi300x", "--workers", "1", "--speed", FAST])
     yield emu
     emu.stop()
 

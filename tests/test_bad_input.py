@@ -8,7 +8,7 @@ import json
 import aiohttp
 import pytest
 
-from tests.procs import Emulator
+from nodes.emulator.launch import EmulatorProcess as Emulator
 
 TOO_LONG = " hello" * 140_000  # ~140 k tokens: past the 131,072-token context
 

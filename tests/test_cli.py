@@ -11,29 +11,33 @@ import sys
 import aiohttp
 import pytest
 
-from tests.procs import ROOT, start_emulator
+from nodes.emulator.launch import PROJECT_ROOT as ROOT
+from nodes.emulator.launch import launch
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 async def test_serves_n_ports_and_stops_cleanly(http: aiohttp.ClientSession, sig: signal.Signals) -> None:
     """N workers answer on P..P+N-1 after the ready line; SIGTERM/SIGINT ends the process with 0
     and closes every port, even with a request in flight."""
-    emu = start_emulator("--profile", "mi300x", "--workers", "3", "--speed", "5")
-    ports = [int(u.rsplit(":", 1)[1]) for u in emu.urls]
-    assert ports == [ports[0], ports[0] + 1, ports[0] + 2]
-    for url in emu.urls:
-        async with http.get(url + "/v1/models") as resp:
-            assert resp.status == 200
-    body = {"text": "x", "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
-    in_flight = asyncio.create_task(http.post(emu.urls[0] + "/generate", json=body))
-    await asyncio.sleep(0.5)
-    emu.proc.send_signal(sig)
-    assert await asyncio.to_thread(emu.proc.wait, 15) == 0
-    response = await in_flight
-    assert (await response.json())["meta_info"]["finish_reason"]["type"] == "abort"
-    for port in ports:
-        with socket.socket() as s:
-            assert s.connect_ex(("127.0.0.1", port)) != 0
+    emu = launch(["--profile", "mi300x", "--workers", "3", "--speed", "5"])
+    try:
+        ports = [int(u.rsplit(":", 1)[1]) for u in emu.urls]
+        assert ports == [ports[0], ports[0] + 1, ports[0] + 2]
+        for url in emu.urls:
+            async with http.get(url + "/v1/models") as resp:
+                assert resp.status == 200
+        body = {"text": "x", "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
+        in_flight = asyncio.create_task(http.post(emu.urls[0] + "/generate", json=body))
+        await asyncio.sleep(0.5)
+        emu.proc.send_signal(sig)
+        assert await asyncio.to_thread(emu.proc.wait, 15) == 0
+        response = await in_flight
+        assert (await response.json())["meta_info"]["finish_reason"]["type"] == "abort"
+        for port in ports:
+            with socket.socket() as s:
+                assert s.connect_ex(("127.0.0.1", port)) != 0
+    finally:
+        emu.stop()
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,8 @@ import asyncio
 import aiohttp
 import pytest
 
-from tests.procs import Emulator, start_emulator
+from nodes.emulator.launch import EmulatorProcess as Emulator
+from nodes.emulator.launch import launch
 
 BODY = {"text": "drill", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
 
@@ -98,8 +99,8 @@ async def test_bad_fault_requests_are_refused(mi355x: Emulator, http: aiohttp.Cl
 
 async def test_fault_flags_at_start(http: aiohttp.ClientSession) -> None:
     """Faults can be set by flags: --unhealthy fails health checks, --die-after-s kills the ports."""
-    emu = start_emulator(
-        "--profile", "mi355x", "--workers", "2", "--speed", "20", "--unhealthy", "--die-after-s", "1.5"
+    emu = launch(
+        ["--profile", "mi355x", "--workers", "2", "--speed", "20", "--unhealthy", "--die-after-s", "1.5"]
     )
     try:
         for url in emu.urls:

@@ -7,7 +7,7 @@ import json
 import aiohttp
 
 from nodes.emulator import tokens
-from tests.procs import Emulator
+from nodes.emulator.launch import EmulatorProcess as Emulator
 
 
 async def _events(resp: aiohttp.ClientResponse) -> list[dict]:

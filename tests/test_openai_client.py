@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from nodes.emulator import tokens
-from tests.procs import Emulator
+from nodes.emulator.launch import EmulatorProcess as Emulator
 
 MODEL = "openai/gpt-oss-120b"
 MESSAGES = [

@@ -17,8 +17,9 @@ import openai
 import pytest
 
 from nodes.emulator import tokens
+from nodes.emulator.launch import EmulatorProcess as Emulator
+from nodes.emulator.launch import free_port_block, launch
 from tests import netns
-from tests.procs import Emulator, free_port_block, start_emulator
 from tests.test_worker_state import metric
 
 pytestmark = pytest.mark.netns
@@ -37,7 +38,7 @@ def test_host() -> Iterator[netns.TestHost]:
 
 @pytest.fixture(scope="module")
 def workers(test_host: netns.TestHost) -> Iterator[Emulator]:
-    emu = start_emulator("--profile", "mi355x", "--workers", "2", "--speed", "20", host=test_host.host_ip)
+    emu = launch(["--profile", "mi355x", "--workers", "2", "--speed", "20"], host=test_host.host_ip)
     yield emu
     emu.stop()
 

@@ -7,7 +7,8 @@ import re
 
 import aiohttp
 
-from tests.procs import Emulator, start_emulator
+from nodes.emulator.launch import EmulatorProcess as Emulator
+from nodes.emulator.launch import launch
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -46,9 +47,7 @@ async def test_load_and_metrics_follow_the_batch(http: aiohttp.ClientSession) ->
     """With a limit of 4 running requests and 7 sent, loads and metrics show 4 running and 3
     queued; the queued ones wait for a slot, so their time to first token is longer; when all
     finish, the counters hold exactly the tokens the clients received."""
-    emu = start_emulator(
-        "--profile", "mi300x", "--workers", "1", "--speed", "20", "--max-running-requests", "4"
-    )
+    emu = launch(["--profile", "mi300x", "--workers", "1", "--speed", "20", "--max-running-requests", "4"])
     try:
         url = emu.urls[0]
 

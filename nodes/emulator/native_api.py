@@ -22,14 +22,11 @@ from nodes.emulator.params import (
     ContractError,
     RequestError,
     check_sampling_contract,
-    resolve_max_new_tokens,
-    verify_sampling,
 )
 from nodes.emulator.web_common import (
     SSE_DONE,
     WORKER_KEY,
     json_response,
-    openai_error,
     read_json_object,
     sse,
     sse_reply,
@@ -70,26 +67,12 @@ def generate_spec(worker: EmulatedWorker, body: dict[str, Any]) -> GenerateSpec:
         raise BodyError(
             f"[{{'type': 'string_type', 'loc': ('body', 'rid'), 'msg': 'Input should be a valid string', 'input': {rid!r}}}]"
         )
-    prompt_tokens = _prompt_tokens(body)
-    params = verify_sampling(sampling, default_max_new_tokens=GENERATE_DEFAULT_MAX_NEW_TOKENS)
-    max_new = resolve_max_new_tokens(
-        prompt_tokens,
-        params.max_new_tokens,
-        explicit="max_new_tokens" in sampling,
-        context_length=worker.config.context_length,
-        kv_capacity_tokens=worker.engine.kv_capacity_tokens,
-    )
-    return GenerateSpec(
-        rid=rid or uuid.uuid4().hex,
-        prompt_tokens=prompt_tokens,
-        max_new_tokens=max_new,
-        min_new_tokens=min(params.min_new_tokens, max_new),
-        stop=params.stop,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-        no_stop_trim=params.no_stop_trim,
-        seed=params.seed,
-        streaming=bool(body.get("stream")),
+    return worker.spec_for(
+        sampling,
+        _prompt_tokens(body),
+        rid=rid,
+        streaming=body.get("stream") is True,
+        default_max_new_tokens=GENERATE_DEFAULT_MAX_NEW_TOKENS,
     )
 
 
@@ -112,18 +95,13 @@ def meta_info(gen: Generation, completion_tokens: int) -> dict[str, Any]:
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
     worker = request.app[WORKER_KEY]
-    try:
-        body = await read_json_object(request)
-    except BodyError as exc:
-        return openai_error(str(exc), err_type="Bad Request")
+    body = await read_json_object(request)
     stream = body.get("stream") is True
     try:
         spec = generate_spec(worker, body)
         gen = await worker.submit(spec)
     except ContractError as exc:
         return json_response({"error": str(exc)}, 400)
-    except BodyError as exc:
-        return openai_error(str(exc), err_type="Bad Request")
     except (RequestError, DuplicateRequestId) as exc:
         if not stream:
             return json_response({"error": {"message": str(exc)}}, 400)
@@ -307,10 +285,7 @@ async def handle_flush_cache(request: web.Request) -> web.Response:
 
 async def handle_abort_request(request: web.Request) -> web.Response:
     worker = request.app[WORKER_KEY]
-    try:
-        body = await read_json_object(request)
-    except BodyError as exc:
-        return openai_error(str(exc), err_type="Bad Request")
+    body = await read_json_object(request)
     rid, abort_all = body.get("rid") or "", bool(body.get("abort_all"))
     if not isinstance(rid, str):
         return json_response({"error": {"message": "rid must be a string"}}, 400)

@@ -8,7 +8,6 @@ counted, as the gpt-oss chat template would render them.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import date
 from typing import Any
@@ -21,8 +20,6 @@ from nodes.emulator.params import (
     BodyError,
     ContractError,
     RequestError,
-    resolve_max_new_tokens,
-    verify_sampling,
 )
 from nodes.emulator.web_common import (
     SSE_DONE,
@@ -108,27 +105,13 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
 def _spec(
     worker: EmulatedWorker, body: dict[str, Any], prompt_tokens: int, default_max: int | None
 ) -> GenerateSpec:
-    sampling = _sampling(body)
-    params = verify_sampling(sampling, default_max_new_tokens=default_max)
-    max_new = resolve_max_new_tokens(
-        prompt_tokens,
-        params.max_new_tokens,
-        explicit="max_new_tokens" in sampling,
-        context_length=worker.config.context_length,
-        kv_capacity_tokens=worker.engine.kv_capacity_tokens,
-    )
     rid = body.get("rid")
-    return GenerateSpec(
-        rid=rid if isinstance(rid, str) and rid else uuid.uuid4().hex,
-        prompt_tokens=prompt_tokens,
-        max_new_tokens=max_new,
-        min_new_tokens=min(params.min_new_tokens, max_new),
-        stop=params.stop,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-        no_stop_trim=params.no_stop_trim,
-        seed=params.seed,
+    return worker.spec_for(
+        _sampling(body),
+        prompt_tokens,
+        rid=rid if isinstance(rid, str) else None,
         streaming=body.get("stream") is True,
+        default_max_new_tokens=default_max,
     )
 
 
@@ -225,8 +208,6 @@ async def _serve(
             raise _type_error("stream", bool, body["stream"])
         spec = _spec(worker, body, prompt_tokens(body), default_max)
         gen = await worker.submit(spec)
-    except BodyError as exc:
-        return openai_error(str(exc), err_type="Bad Request")
     except (RequestError, ContractError, DuplicateRequestId) as exc:
         return openai_error(str(exc))
     try:
@@ -242,14 +223,21 @@ async def _serve(
         worker.release(gen)
 
 
+def _head(body: dict[str, Any], gen: Generation, kind: str) -> dict[str, Any]:
+    """The fields every response and chunk starts with; the model is echoed, never checked."""
+    return {
+        "id": gen.spec.rid,
+        "object": kind,
+        "created": int(time.time()),
+        "model": body.get("model") or "default",
+    }
+
+
 def _chat_body(body: dict[str, Any], gen: Generation) -> dict[str, Any]:
     k = gen.tokens_now()
     finish, matched = _finish(gen)
     return {
-        "id": gen.spec.rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": body.get("model") or "default",
+        **_head(body, gen, "chat.completion"),
         "choices": [
             {
                 "index": 0,
@@ -269,12 +257,7 @@ def _chat_body(body: dict[str, Any], gen: Generation) -> dict[str, Any]:
 
 
 async def _chat_chunks(body: dict[str, Any], gen: Generation) -> AsyncIterator[dict[str, Any]]:
-    head = {
-        "id": gen.spec.rid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": body.get("model") or "default",
-    }
+    head = _head(body, gen, "chat.completion.chunk")
     options = body["stream_options"]
     continuous = bool(options.get("continuous_usage_stats"))
 
@@ -308,10 +291,7 @@ def _completion_body(body: dict[str, Any], gen: Generation) -> dict[str, Any]:
     k = gen.tokens_now()
     finish, matched = _finish(gen)
     return {
-        "id": gen.spec.rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": body.get("model") or "default",
+        **_head(body, gen, "text_completion"),
         "choices": [
             {
                 "index": 0,
@@ -327,12 +307,7 @@ def _completion_body(body: dict[str, Any], gen: Generation) -> dict[str, Any]:
 
 
 async def _completion_chunks(body: dict[str, Any], gen: Generation) -> AsyncIterator[dict[str, Any]]:
-    head = {
-        "id": gen.spec.rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": body.get("model") or "default",
-    }
+    head = _head(body, gen, "text_completion")
     sent_text, k = "", 0
     async for k in gen.progress():
         text = gen.text_and_ids(k)[0]

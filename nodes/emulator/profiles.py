@@ -39,15 +39,21 @@ class GpuProfile:
         )
 
     def predict_steady_state(
-        self, batch: int, prompt_tokens: float, output_tokens: float
+        self,
+        batch: int,
+        prompt_tokens: float,
+        output_tokens: float,
+        output_tokens_sq: float | None = None,
     ) -> tuple[float, float]:
         """Analytic (output tokens/s, TPOT ms) with `batch` sequences always decoding.
 
-        In steady state each sequence is on average half way through its output, so
-        the mean context is `prompt + output/2`; requests finish at `batch/output`
-        per step, so each step also prefills `batch·prompt/output` tokens.
+        Requests finish at `batch/output` per step, so each step also prefills
+        `batch·prompt/output` tokens. A running sequence is on average half way through
+        its output; long outputs stay in the batch longer, so with varied lengths the
+        mean context is `prompt + E[out²]/(2·E[out])` (pass `output_tokens_sq` = E[out²]).
         """
-        context = batch * (prompt_tokens + output_tokens / 2.0)
+        out_sq = output_tokens**2 if output_tokens_sq is None else output_tokens_sq
+        context = batch * (prompt_tokens + out_sq / (2.0 * output_tokens))
         prefill = batch * prompt_tokens / output_tokens
         step = self.step_ms(batch, round(context), 0) + self.rho_ms * prefill
         return batch * 1000.0 / step, step

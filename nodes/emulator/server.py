@@ -24,6 +24,17 @@ SERVER_KEY = web.AppKey("server", object)
 
 
 @web.middleware
+async def body_error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """A body that is not the JSON a route expects: SGLang's FastAPI 400, on every route."""
+    try:
+        return await handler(request)
+    except BodyError as exc:
+        return openai_error(str(exc), err_type="Bad Request")
+
+
+@web.middleware
 async def fault_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
@@ -60,10 +71,7 @@ async def handle_state(request: web.Request) -> web.Response:
 
 async def handle_faults(request: web.Request) -> web.Response:
     worker = request.app[WORKER_KEY]
-    try:
-        body = await read_json_object(request)
-    except BodyError as exc:
-        return openai_error(str(exc), err_type="Bad Request")
+    body = await read_json_object(request)
     unknown = set(body) - {"slowdown", "unhealthy", "hang"}
     if unknown:
         return openai_error(f"unknown fault field(s): {sorted(unknown)}; use slowdown, unhealthy, hang")
@@ -94,7 +102,9 @@ class WorkerServer:
     def __init__(self, config: WorkerConfig, faults: Faults | None = None) -> None:
         self.config = config
         self.worker = EmulatedWorker(config, faults)
-        app = web.Application(middlewares=[fault_middleware], client_max_size=64 * 1024**2)
+        app = web.Application(
+            middlewares=[body_error_middleware, fault_middleware], client_max_size=64 * 1024**2
+        )
         app[WORKER_KEY] = self.worker
         app[SERVER_KEY] = self
         for method, path, handler in native_api.ROUTES + openai_api.ROUTES:

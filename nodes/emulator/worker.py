@@ -7,13 +7,16 @@ a request does inside the server: the TTFT fixed cost, the engine, the abort pat
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from nodes.emulator import tokens
 from nodes.emulator.engine import Engine, Sequence
 from nodes.emulator.metrics import WorkerMetrics
 from nodes.emulator.output import GenerateSpec, OutputPlan, plan_output
+from nodes.emulator.params import resolve_max_new_tokens, verify_sampling
 from nodes.emulator.profiles import MODEL_CONTEXT_TOKENS, GpuProfile
 
 
@@ -127,6 +130,37 @@ class EmulatedWorker:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+    def spec_for(
+        self,
+        sampling: dict[str, Any],
+        prompt_tokens: int,
+        *,
+        rid: str | None,
+        streaming: bool,
+        default_max_new_tokens: int | None,
+    ) -> GenerateSpec:
+        """Verify sampling parameters and lengths as SGLang does (raises RequestError)."""
+        params = verify_sampling(sampling, default_max_new_tokens=default_max_new_tokens)
+        max_new = resolve_max_new_tokens(
+            prompt_tokens,
+            params.max_new_tokens,
+            explicit="max_new_tokens" in sampling,
+            context_length=self.config.context_length,
+            kv_capacity_tokens=self.engine.kv_capacity_tokens,
+        )
+        return GenerateSpec(
+            rid=rid or uuid.uuid4().hex,
+            prompt_tokens=prompt_tokens,
+            max_new_tokens=max_new,
+            min_new_tokens=min(params.min_new_tokens, max_new),
+            stop=params.stop,
+            stop_token_ids=params.stop_token_ids,
+            ignore_eos=params.ignore_eos,
+            no_stop_trim=params.no_stop_trim,
+            seed=params.seed,
+            streaming=streaming,
+        )
 
     def set_slowdown(self, factor: float) -> None:
         self.faults.slowdown = factor
