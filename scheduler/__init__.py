@@ -1,0 +1,1 @@
+"""The global scheduler: site registry, capacity, outstanding work, routing, admin."""

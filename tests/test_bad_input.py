@@ -69,9 +69,7 @@ GENERATE_CASES = [
 
 
 @pytest.mark.parametrize(("body", "status", "check"), GENERATE_CASES)
-async def test_generate_rejects_bad_input(
-    mi355x: Emulator, http: aiohttp.ClientSession, body, status, check
-) -> None:
+async def test_generate_rejects_bad_input(mi355x: Emulator, http: aiohttp.ClientSession, body, status, check) -> None:
     """Each kind of bad /generate body gets SGLang's status and error shape."""
     kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
     async with http.post(mi355x.urls[0] + "/generate", **kwargs) as resp:

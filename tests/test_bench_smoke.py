@@ -30,9 +30,7 @@ def test_fidelity_smoke(tmp_path: Path) -> None:
         p = result["profiles"][name]
         assert p["requests_completed"] > 0
         assert p["predicted_output_tokens_per_s"] > 0 and p["measured_output_tokens_per_s"] > 0
-        assert p["throughput_ratio"] == round(
-            p["measured_output_tokens_per_s"] / p["predicted_output_tokens_per_s"], 4
-        )
+        assert p["throughput_ratio"] == round(p["measured_output_tokens_per_s"] / p["predicted_output_tokens_per_s"], 4)
     assert result["mi355x_to_mi300x_throughput"] > 1
 
 

@@ -61,9 +61,7 @@ async def test_hang_accepts_and_never_answers(fresh_worker: Emulator, http: aioh
         assert resp.status == 200
 
 
-async def test_die_resets_streams_and_closes_the_port(
-    fresh_worker: Emulator, http: aiohttp.ClientSession
-) -> None:
+async def test_die_resets_streams_and_closes_the_port(fresh_worker: Emulator, http: aiohttp.ClientSession) -> None:
     """After /_emulator/die an open stream is cut and new connections are refused."""
     url = fresh_worker.urls[0]
     body = {"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 50_000, "ignore_eos": True}}
@@ -99,9 +97,7 @@ async def test_bad_fault_requests_are_refused(mi355x: Emulator, http: aiohttp.Cl
 
 async def test_fault_flags_at_start(http: aiohttp.ClientSession) -> None:
     """Faults can be set by flags: --unhealthy fails health checks, --die-after-s kills the ports."""
-    emu = launch(
-        ["--profile", "mi355x", "--workers", "2", "--speed", "20", "--unhealthy", "--die-after-s", "1.5"]
-    )
+    emu = launch(["--profile", "mi355x", "--workers", "2", "--speed", "20", "--unhealthy", "--die-after-s", "1.5"])
     try:
         for url in emu.urls:
             async with http.get(url + "/health") as resp:

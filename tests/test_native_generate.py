@@ -6,7 +6,7 @@ import json
 
 import aiohttp
 
-from nodes.emulator import tokens
+from federation import tokens
 from nodes.emulator.launch import EmulatorProcess as Emulator
 
 
@@ -98,9 +98,7 @@ async def test_stream_is_cumulative_and_ends_with_done(mi355x: Emulator, http: a
     assert last["completion_tokens"] == 300 and "e2e_latency" in last
 
 
-async def test_stop_string_trims_text_and_reports_match(
-    mi355x: Emulator, http: aiohttp.ClientSession
-) -> None:
+async def test_stop_string_trims_text_and_reports_match(mi355x: Emulator, http: aiohttp.ClientSession) -> None:
     """A stop string ends generation where the model produced it: finish_reason names it, the text
     is cut before it, and completion_tokens counts the tokens up to the one that completed it."""
     body = {"text": "x", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "sampling_seed": 7}}
@@ -117,9 +115,7 @@ async def test_stop_string_trims_text_and_reports_match(
     assert meta["completion_tokens"] == len(tokens.encode(full["text"][: at + len(stop_word) + 1]))
 
 
-async def test_abort_request_ends_running_request(
-    fresh_worker: Emulator, http: aiohttp.ClientSession
-) -> None:
+async def test_abort_request_ends_running_request(fresh_worker: Emulator, http: aiohttp.ClientSession) -> None:
     """POST /abort_request ends a running request with finish_reason abort and the tokens it had."""
     url = fresh_worker.urls[0]
     body = {

@@ -16,7 +16,7 @@ import aiohttp
 import openai
 import pytest
 
-from nodes.emulator import tokens
+from federation import tokens
 from nodes.emulator.launch import EmulatorProcess as Emulator
 from nodes.emulator.launch import free_port_block, launch
 from tests import netns
@@ -96,9 +96,7 @@ async def test_router_admits_both_workers(
     assert all(w["is_healthy"] and w["model_id"] == "openai/gpt-oss-120b" for w in listed)
 
 
-async def test_router_routes_generate(
-    router: tuple[str, str], workers: Emulator, http: aiohttp.ClientSession
-) -> None:
+async def test_router_routes_generate(router: tuple[str, str], workers: Emulator, http: aiohttp.ClientSession) -> None:
     """/generate through the router, whole and streamed, comes back with the worker's exact bodies;
     round robin spreads the requests over both workers."""
     router_url, policy = router

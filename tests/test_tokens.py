@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from nodes.emulator import tokens
+from federation import tokens
 from nodes.emulator.output import GenerateSpec, plan_output
 
 
@@ -39,9 +39,7 @@ def test_output_plan_limits_and_stops() -> None:
     stop_id = ids[20]
     first = ids.index(stop_id)
     plan = plan_output(
-        GenerateSpec(
-            rid="a", prompt_tokens=10, max_new_tokens=50, ignore_eos=True, seed=1, stop_token_ids=(stop_id,)
-        ),
+        GenerateSpec(rid="a", prompt_tokens=10, max_new_tokens=50, ignore_eos=True, seed=1, stop_token_ids=(stop_id,)),
         synth,
         1278,
     )

@@ -98,9 +98,7 @@ async def test_load_and_metrics_follow_the_batch(http: aiohttp.ClientSession) ->
         emu.stop()
 
 
-async def test_client_disconnect_aborts_the_request(
-    fresh_worker: Emulator, http: aiohttp.ClientSession
-) -> None:
+async def test_client_disconnect_aborts_the_request(fresh_worker: Emulator, http: aiohttp.ClientSession) -> None:
     """A client that goes away mid-stream gets its request aborted at the worker: the slot frees and
     the abort shows in the metrics."""
     url = fresh_worker.urls[0]
@@ -111,10 +109,7 @@ async def test_client_disconnect_aborts_the_request(
     for _ in range(50):
         async with http.get(url + "/metrics") as m:
             text = await m.text()
-        if (
-            metric(text, "sglang:num_aborted_requests_total") == 1
-            and metric(text, "sglang:num_running_reqs") == 0
-        ):
+        if metric(text, "sglang:num_aborted_requests_total") == 1 and metric(text, "sglang:num_running_reqs") == 0:
             break
         await asyncio.sleep(0.1)
     assert metric(text, "sglang:num_aborted_requests_total") == 1

@@ -155,9 +155,7 @@ async def _emitted(http: aiohttp.ClientSession, url: str) -> int:
 async def _progress(label: str, window: Window, until: float) -> None:
     while time.monotonic() < until:
         await asyncio.sleep(PROGRESS_EVERY_S)
-        print(
-            f"[{label}] {len(window.completions)} completed in the window so far", file=sys.stderr, flush=True
-        )
+        print(f"[{label}] {len(window.completions)} completed in the window so far", file=sys.stderr, flush=True)
 
 
 async def run_fidelity(args: argparse.Namespace) -> dict[str, Any]:
@@ -197,9 +195,7 @@ async def run_fidelity(args: argparse.Namespace) -> dict[str, Any]:
                         seed=i + 1,
                     )
                 )
-            counters = asyncio.gather(
-                *(_engine_rate(http, e.urls[0], windows[n]) for n, e in emulators.items())
-            )
+            counters = asyncio.gather(*(_engine_rate(http, e.urls[0], windows[n]) for n, e in emulators.items()))
             await asyncio.gather(*loops, _progress("fidelity", windows["mi355x"], stop_at))
             engine_rates = await counters
         for (name, window), engine_rate in zip(windows.items(), engine_rates, strict=True):

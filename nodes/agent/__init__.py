@@ -1,0 +1,1 @@
+"""The site agent: one per site, in front of its SGLang workers."""

@@ -17,8 +17,7 @@ import sys
 import structlog
 import uvloop
 
-from federation import logs
-from nodes.emulator import tokens
+from federation import logs, tokens
 from nodes.emulator.profiles import PROFILES
 from nodes.emulator.server import WorkerServer
 from nodes.emulator.worker import Faults, WorkerConfig

@@ -283,9 +283,7 @@ class Engine:
             if seq.queued_at > self.boundary_t:
                 self._event_t = min(self._event_t, seq.queued_at)
                 return
-            reserve = int(
-                min(seq.max_new_tokens - seq.generated, CLIP_MAX_NEW_TOKENS) * self._new_token_ratio
-            )
+            reserve = int(min(seq.max_new_tokens - seq.generated, CLIP_MAX_NEW_TOKENS) * self._new_token_ratio)
             need = seq.prompt_tokens + seq.generated + reserve
             in_use = self._len_base_sum + len(self.running) * self.steps - self._join_sum
             if in_use + self._prefill_kv + self._reserved + need > self.kv_capacity_tokens:

@@ -230,9 +230,7 @@ class WorkerMetrics:
                 m.add_metric(values, h.buckets(), h.total)
             return m
 
-        def histogram(
-            name: str, doc: str, h: _Histogram, labels: tuple[list[str], list[str]]
-        ) -> HistogramMetricFamily:
+        def histogram(name: str, doc: str, h: _Histogram, labels: tuple[list[str], list[str]]) -> HistogramMetricFamily:
             m = HistogramMetricFamily(f"sglang:{name}", doc, labels=labels[0])
             m.add_metric(labels[1], h.buckets(), h.total)
             return m
@@ -257,9 +255,7 @@ class WorkerMetrics:
         )
         yield gauge("num_retracted_reqs", "The number of retracted requests.", engine.retractions)
         yield per_stream_counter("prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens")
-        yield per_stream_counter(
-            "generation_tokens", "Number of generation tokens processed.", "generation_tokens"
-        )
+        yield per_stream_counter("generation_tokens", "Number of generation tokens processed.", "generation_tokens")
         yield per_stream_counter("num_requests", "Number of requests processed.", "requests")
         c = CounterMetricFamily("sglang:num_aborted_requests", "Number of requests aborted.", labels=tok[0])
         c.add_metric(tok[1], self.aborted_requests)
@@ -267,9 +263,7 @@ class WorkerMetrics:
         yield per_stream_histogram(
             "time_to_first_token_seconds", "Histogram of time to first token in seconds.", "ttft"
         )
-        yield histogram(
-            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", self.itl, tok
-        )
+        yield histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", self.itl, tok)
         yield per_stream_histogram(
             "e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", "e2e"
         )

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from nodes.emulator import tokens
+from federation import tokens
 from nodes.emulator.output import GenerateSpec
 from nodes.emulator.params import (
     BodyError,
@@ -47,9 +47,7 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
         if not isinstance(text, str):
             raise RequestError("The emulator serves one prompt per request; send `text` as a string.")
         return tokens.count(text)
-    if not isinstance(input_ids, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) for i in input_ids
-    ):
+    if not isinstance(input_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in input_ids):
         raise RequestError("The emulator serves one prompt per request; send `input_ids` as a list of ints.")
     if not input_ids:
         raise RequestError("input_ids cannot be empty.")

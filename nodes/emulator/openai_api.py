@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from nodes.emulator import tokens
+from federation import tokens
 from nodes.emulator.output import GenerateSpec
 from nodes.emulator.params import (
     BodyError,
@@ -102,9 +102,7 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     return sp
 
 
-def _spec(
-    worker: EmulatedWorker, body: dict[str, Any], prompt_tokens: int, default_max: int | None
-) -> GenerateSpec:
+def _spec(worker: EmulatedWorker, body: dict[str, Any], prompt_tokens: int, default_max: int | None) -> GenerateSpec:
     rid = body.get("rid")
     return worker.spec_for(
         _sampling(body),

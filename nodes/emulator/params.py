@@ -192,8 +192,7 @@ def resolve_max_new_tokens(
     """The tokenizer manager's and scheduler's length checks, then the cap SGLang applies."""
     if prompt_tokens >= context_length:
         raise RequestError(
-            f"The input ({prompt_tokens} tokens) is longer than the model's context length "
-            f"({context_length} tokens)."
+            f"The input ({prompt_tokens} tokens) is longer than the model's context length ({context_length} tokens)."
         )
     if explicit and max_new_tokens is not None and prompt_tokens + max_new_tokens >= context_length:
         raise RequestError(

@@ -31,12 +31,7 @@ class GpuProfile:
 
     def step_ms(self, batch: int, context_tokens: int, prefill_tokens: int) -> float:
         """Duration of one step: `a + b·B + κ·ΣL/1000 + ρ·n_prefill` in milliseconds."""
-        return (
-            self.a_ms
-            + self.b_ms * batch
-            + self.kappa_ms * context_tokens / 1000.0
-            + self.rho_ms * prefill_tokens
-        )
+        return self.a_ms + self.b_ms * batch + self.kappa_ms * context_tokens / 1000.0 + self.rho_ms * prefill_tokens
 
     def predict_steady_state(
         self,

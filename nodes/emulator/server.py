@@ -102,9 +102,7 @@ class WorkerServer:
     def __init__(self, config: WorkerConfig, faults: Faults | None = None) -> None:
         self.config = config
         self.worker = EmulatedWorker(config, faults)
-        app = web.Application(
-            middlewares=[body_error_middleware, fault_middleware], client_max_size=64 * 1024**2
-        )
+        app = web.Application(middlewares=[body_error_middleware, fault_middleware], client_max_size=64 * 1024**2)
         app[WORKER_KEY] = self.worker
         app[SERVER_KEY] = self
         for method, path, handler in native_api.ROUTES + openai_api.ROUTES:
@@ -121,9 +119,7 @@ class WorkerServer:
     async def start(self) -> None:
         self.worker.start()
         await self._runner.setup()
-        self._site = web.TCPSite(
-            self._runner, self.config.host, self.config.port, backlog=4096, reuse_address=True
-        )
+        self._site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=4096, reuse_address=True)
         await self._site.start()
 
     def die_soon(self, delay_s: float) -> None:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from nodes.emulator import tokens
+from federation import tokens
 from nodes.emulator.engine import Engine, Sequence
 from nodes.emulator.metrics import WorkerMetrics
 from nodes.emulator.output import GenerateSpec, OutputPlan, plan_output

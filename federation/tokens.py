@@ -60,9 +60,7 @@ def count(text: str) -> int:
     return len(encode(text))
 
 
-def render_harmony(
-    messages: Sequence[Mapping[str, str]], *, reasoning_effort: str = "medium", today: str
-) -> str:
+def render_harmony(messages: Sequence[Mapping[str, str]], *, reasoning_effort: str = "medium", today: str) -> str:
     """Render chat messages as the gpt-oss chat template does, ending with the
     generation prompt `<|start|>assistant`. A leading `system` or `developer` message
     becomes the developer instructions, as in the model's own template."""

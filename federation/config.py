@@ -1,0 +1,143 @@
+"""One frozen Config for a federation, from a YAML file or the built-in default.
+
+The default is DESIGN.md's embedded federation: a scheduler and the gateway in
+us-west-2, 16 emulated MI300X in Korea and 16 emulated MI355X in Oregon, ~130 ms apart.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_ENV = "FEDERATION_CONFIG"  # a YAML file used when --config is not given
+
+DEFAULT_YAML = """\
+model: openai/gpt-oss-120b
+host: 127.0.0.1
+speed: 1.0
+gateway: {port: 8080, region: us-west-2}
+scheduler: {port: 50051, region: us-west-2}
+links:
+  - {between: [ap-northeast-2, us-west-2], rtt_ms: 130}
+sites:
+  - {name: kr-mi300x, region: ap-northeast-2, gpu: mi300x, gpus: 16, agent_port: 50061}
+  - {name: us-mi355x, region: us-west-2, gpu: mi355x, gpus: 16, agent_port: 50062}
+"""
+
+GPUS = ("mi300x", "mi355x")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class SiteConfig:
+    name: str
+    region: str
+    gpu: str
+    gpus: int
+    agent_port: int
+    worker_port: int | None = None  # first port of the emulated workers; None: any free block
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    model: str
+    host: str
+    speed: float
+    gateway_port: int
+    gateway_region: str
+    scheduler_port: int
+    scheduler_region: str
+    rtt_ms: dict[tuple[str, str], float] = field(default_factory=dict)  # both orders present
+    sites: tuple[SiteConfig, ...] = ()
+
+    def rtt_between(self, a: str, b: str) -> float:
+        return 0.0 if a == b else self.rtt_ms.get((a, b), 0.0)
+
+    def with_overrides(self, *, port: int | None = None, speed: float | None = None) -> Config:
+        return replace(
+            self,
+            gateway_port=self.gateway_port if port is None else port,
+            speed=self.speed if speed is None else speed,
+        )
+
+
+def _need(d: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    value = d.get(key)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ConfigError(f"{where}: `{key}` must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def parse(text: str, source: str = "config") -> Config:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    gateway = raw.get("gateway") or {}
+    scheduler = raw.get("scheduler") or {}
+    rtt: dict[tuple[str, str], float] = {}
+    for i, link in enumerate(raw.get("links") or []):
+        between = link.get("between") if isinstance(link, dict) else None
+        if not (isinstance(between, list) and len(between) == 2 and all(isinstance(r, str) for r in between)):
+            raise ConfigError(f"{source}: links[{i}].between must name two regions")
+        ms = link.get("rtt_ms")
+        if isinstance(ms, bool) or not isinstance(ms, int | float) or ms < 0:
+            raise ConfigError(f"{source}: links[{i}].rtt_ms must be a number >= 0")
+        a, b = between
+        rtt[(a, b)] = rtt[(b, a)] = float(ms)
+    sites = []
+    for i, s in enumerate(raw.get("sites") or []):
+        where = f"{source}: sites[{i}]"
+        if not isinstance(s, dict):
+            raise ConfigError(f"{where} must be a mapping")
+        site = SiteConfig(
+            _need(s, "name", str, where),
+            _need(s, "region", str, where),
+            _need(s, "gpu", str, where),
+            _need(s, "gpus", int, where),
+            _need(s, "agent_port", int, where),
+            _need(s, "worker_port", int, where) if "worker_port" in s else None,
+        )
+        if site.gpu not in GPUS:
+            raise ConfigError(f"{where}: gpu must be one of {', '.join(GPUS)}")
+        if site.gpus < 1:
+            raise ConfigError(f"{where}: gpus must be >= 1")
+        sites.append(site)
+    if not sites:
+        raise ConfigError(f"{source}: at least one site is needed")
+    if len({s.name for s in sites}) != len(sites):
+        raise ConfigError(f"{source}: site names must be unique")
+    speed = raw.get("speed", 1.0)
+    if isinstance(speed, bool) or not isinstance(speed, int | float) or speed <= 0:
+        raise ConfigError(f"{source}: speed must be a number > 0")
+    return Config(
+        model=str(raw.get("model", "openai/gpt-oss-120b")),
+        host=str(raw.get("host", "127.0.0.1")),
+        speed=float(speed),
+        gateway_port=int(gateway.get("port", 8080)),
+        gateway_region=str(gateway.get("region", "")),
+        scheduler_port=int(scheduler.get("port", 50051)),
+        scheduler_region=str(scheduler.get("region", gateway.get("region", ""))),
+        rtt_ms=rtt,
+        sites=tuple(sites),
+    )
+
+
+def load(path: Path | None = None) -> Config:
+    """The config at `path`, else at $FEDERATION_CONFIG, else the built-in default."""
+    path = path or (Path(os.environ[CONFIG_ENV]) if os.environ.get(CONFIG_ENV) else None)
+    if path is None:
+        return parse(DEFAULT_YAML, "built-in default")
+    try:
+        return parse(path.read_text(), str(path))
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None

@@ -1,0 +1,49 @@
+"""One error tree for the federation, mapped once at each boundary.
+
+At the HTTP edge each error becomes its status and an OpenAI error body; gRPC status
+codes from the scheduler and agents are mapped into it by the clients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class FederationError(Exception):
+    status = 500
+    error_type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error object."""
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+class BadRequest(FederationError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class ModelNotFound(FederationError):
+    status = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class NoCapacity(FederationError):
+    """No site can take the request now (none ready, or all refused it)."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+
+class UpstreamFailed(FederationError):
+    """A site broke while serving the request."""
+
+    status = 502
+    error_type = "upstream_error"

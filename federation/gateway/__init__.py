@@ -1,0 +1,1 @@
+"""The gateway: the federation's one OpenAI-compatible endpoint."""

@@ -1,0 +1,60 @@
+"""`python -m federation.gateway --port 8080 --scheduler 127.0.0.1:50051`"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+
+import structlog
+import uvloop
+from aiohttp import web
+
+from federation import logs, tokens
+from federation.gateway.app import GatewayConfig, build_app
+
+log = structlog.get_logger("gateway")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m federation.gateway", description="The federation's endpoint.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--scheduler", required=True, help="host:port of a scheduler")
+    p.add_argument("--model", default="openai/gpt-oss-120b")
+    p.add_argument("--region", default="", help="where this gateway runs")
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    tokens.count("warm up")  # load the tokenizer before the first request pays for it
+    app = build_app(GatewayConfig(args.scheduler, args.model, region=args.region))
+    # Cancel a handler when its client disconnects, so the site's work is aborted too.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, args.host, args.port, backlog=4096, reuse_address=True).start()
+    except OSError as exc:
+        log.error("gateway.bind_failed", host=args.host, port=args.port, error=str(exc))
+        await runner.cleanup()
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(json.dumps({"event": "ready", "gateway": f"http://{args.host}:{args.port}"}), flush=True)
+    await stop.wait()
+    await runner.cleanup()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logs.configure()
+    return uvloop.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

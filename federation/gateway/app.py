@@ -1,0 +1,198 @@
+"""The one endpoint: OpenAI's API and SGLang's /generate over the whole federation.
+
+A request is checked (`jobs`), routed once by a scheduler, then streamed from the
+chosen site's agent and relayed to the client (`responses`). The request id is bound
+at entry and travels to the scheduler, the agent and the worker (as SGLang's rid).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import web
+
+from federation import wire
+from federation.errors import BadRequest, FederationError, UpstreamFailed
+from federation.gateway import jobs
+from federation.gateway.responses import Answer
+from federation.gateway.upstream import Upstream
+
+log = structlog.get_logger("gateway")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    scheduler_address: str
+    model: str = "openai/gpt-oss-120b"
+    context_tokens: int = 131_072
+    region: str = ""
+
+
+CONFIG_KEY = web.AppKey("config", GatewayConfig)
+UPSTREAM_KEY = web.AppKey("upstream", Upstream)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as OpenAI's error object with its status; never a stack trace."""
+    try:
+        return await handler(request)
+    except FederationError as exc:
+        return _json(exc.body(), exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        body = {"error": {"message": exc.reason, "type": "invalid_request_error", "param": None, "code": None}}
+        return _json(body, exc.status)
+
+
+def _request_id(request: web.Request) -> str:
+    given = request.headers.get("X-Request-Id", "")
+    return given if _REQUEST_ID.match(given) else "req-" + uuid.uuid4().hex
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"The body is not valid JSON: {exc.msg} at position {exc.pos}.") from None
+    if not isinstance(body, dict):
+        raise BadRequest("The body must be a JSON object.")
+    return body
+
+
+async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web.StreamResponse:
+    config, upstream = request.app[CONFIG_KEY], request.app[UPSTREAM_KEY]
+    request_id = _request_id(request)
+    job = make_job(
+        await _body(request), request_id=request_id, served_model=config.model, context_tokens=config.context_tokens
+    )
+    bound = log.bind(request_id=request_id, kind=job.kind, stream=job.stream)
+    started = time.monotonic()
+    outcome, answer, ttft_ms = "error", Answer(job), None
+    chunks = None
+    try:
+        route = wire.RouteRequest(
+            request_id, job.request.prompt_tokens, job.max_tokens, request.headers.get("X-Client-Region", "")
+        )
+        decision = await upstream.route(route)
+        chunks = upstream.generate(decision.agent_address, job.request)
+        first = await anext(chunks, None)
+        if first is None:
+            raise UpstreamFailed(f"site {decision.site} ended the stream before the first token")
+        ttft_ms = (time.monotonic() - started) * 1000
+        answer.add(first)
+        headers = {"X-Request-Id": request_id, "X-Federation-Site": decision.site}
+        if not job.stream:
+            async for chunk in chunks:
+                answer.add(chunk)
+            response = _json(answer.body(time.monotonic() - started), headers=headers)
+        else:
+            response = await _relay(request, answer, first, chunks, started, headers)
+        outcome = "ok"
+        return response
+    except asyncio.CancelledError:
+        outcome = "client_gone"
+        raise
+    finally:
+        if chunks is not None:
+            await chunks.aclose()  # cancels the site's Generate if it is still running
+        bound.info(
+            "request.done",
+            site=answer.site,
+            outcome=outcome,
+            ttft_ms=ttft_ms,
+            output_tokens=answer.completion_tokens,
+            prompt_tokens=job.request.prompt_tokens,
+            latency_ms=round((time.monotonic() - started) * 1000, 1),
+        )
+
+
+async def _relay(
+    request: web.Request, answer: Answer, first: wire.GenerateChunk, chunks, started: float, headers: dict[str, str]
+) -> web.StreamResponse:
+    """SSE to the client; an error after the first byte becomes an error event, then [DONE]."""
+    response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+
+    async def send(events: list[dict[str, Any]]) -> None:
+        for event in events:
+            await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
+
+    try:
+        await send(answer.opening_events())
+        await send(answer.chunk_events(first, time.monotonic() - started))
+        async for chunk in chunks:
+            answer.add(chunk)
+            await send(answer.chunk_events(chunk, time.monotonic() - started))
+        await send(answer.closing_events())
+    except FederationError as exc:
+        await send([exc.body()])
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, jobs.chat_job)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, jobs.completion_job)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, jobs.generate_job)
+
+
+async def models(request: web.Request) -> web.Response:
+    config = request.app[CONFIG_KEY]
+    model = {
+        "id": config.model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "inference-federation",
+        "max_model_len": config.context_tokens,
+    }
+    return _json({"object": "list", "data": [model]})
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 when a scheduler answers and at least one site is ready; 503 otherwise."""
+    try:
+        state = await request.app[UPSTREAM_KEY].state()
+    except FederationError as exc:
+        return _json({"status": "unavailable", "reason": exc.message}, 503)
+    ready = [s.name for s in state.sites if s.status is wire.SiteStatus.READY]
+    return _json({"status": "ok" if ready else "no_ready_site", "ready_sites": ready}, 200 if ready else 503)
+
+
+def build_app(config: GatewayConfig) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024**2)
+    app[CONFIG_KEY] = config
+
+    async def upstream_ctx(app: web.Application):
+        app[UPSTREAM_KEY] = Upstream(config.scheduler_address)
+        yield
+        await app[UPSTREAM_KEY].close()
+
+    app.cleanup_ctx.append(upstream_ctx)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app

@@ -1,0 +1,70 @@
+"""The gateway's gRPC clients: ask a scheduler for a site, then stream from that site's agent.
+
+Channels are created once, inside the running loop, and kept; gRPC status codes become
+the federation's errors here, so the HTTP layer sees one error tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from federation import wire
+from federation.errors import BadRequest, NoCapacity, UpstreamFailed
+
+ROUTE_TIMEOUT_S = 2.0  # a decision takes milliseconds; a scheduler that needs longer is sick
+STATE_TIMEOUT_S = 2.0
+
+
+def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
+    return (("x-request-id", request_id),)
+
+
+class Upstream:
+    def __init__(self, scheduler_address: str) -> None:
+        self.scheduler_address = scheduler_address
+        self._scheduler_channel = grpc.aio.insecure_channel(scheduler_address)
+        self._scheduler = wire.SchedulerStub(self._scheduler_channel)
+        self._agents: dict[str, tuple[grpc.aio.Channel, wire.SiteAgentStub]] = {}
+
+    async def close(self) -> None:
+        await self._scheduler_channel.close()
+        for channel, _ in self._agents.values():
+            await channel.close()
+
+    async def route(self, req: wire.RouteRequest) -> wire.RouteDecision:
+        try:
+            pb = await self._scheduler.Route(
+                wire.route_request_to_pb(req), timeout=ROUTE_TIMEOUT_S, metadata=_metadata(req.request_id)
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise NoCapacity(f"no site available: {exc.details() or exc.code().name}") from None
+        return wire.decision_from_pb(pb)
+
+    async def state(self) -> wire.FederationState:
+        try:
+            return wire.federation_state_from_pb(
+                await self._scheduler.GetState(wire.state_request_to_pb(), timeout=STATE_TIMEOUT_S)
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise NoCapacity(f"scheduler unreachable: {exc.code().name}") from None
+
+    def _agent(self, address: str) -> wire.SiteAgentStub:
+        if address not in self._agents:
+            channel = grpc.aio.insecure_channel(address)
+            self._agents[address] = (channel, wire.SiteAgentStub(channel))
+        return self._agents[address][1]
+
+    async def generate(self, address: str, req: wire.GenerateRequest) -> AsyncIterator[wire.GenerateChunk]:
+        """The site's chunks; cancelling the consumer cancels the call (and the worker's request)."""
+        call = self._agent(address).Generate(wire.generate_request_to_pb(req), metadata=_metadata(req.request_id))
+        try:
+            async for pb in call:
+                yield wire.chunk_from_pb(pb)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise BadRequest(exc.details() or "the site refused the request") from None
+            raise UpstreamFailed(f"site at {address} failed: {exc.details() or exc.code().name}") from None
+        finally:
+            call.cancel()

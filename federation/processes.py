@@ -1,0 +1,94 @@
+"""Child processes that announce themselves: start, wait for the ready line, stop.
+
+Every long-running program of ours prints one JSON line with `"event": "ready"` on
+stdout once it serves; waiting for that line means no caller races a port that is
+not listening yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = 60.0  # an agent waits for its 16 emulated workers; CI machines are slow
+
+
+class StartFailed(RuntimeError):
+    pass
+
+
+def free_port_block(count: int, host: str = "127.0.0.1") -> int:
+    """A first port P such that P..P+count-1 are all free on `host` right now."""
+    for _ in range(200):
+        base = random.randint(20_000, 32_000 - count)  # below the usual ephemeral range
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                s.bind((host, port))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise StartFailed(f"no block of {count} free ports on {host}")
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[str]
+    ready: dict[str, Any]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL if it does not exit in time; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def start_python(
+    name: str, module: str, args: Sequence[str], *, wrapper: Sequence[str] = (), timeout_s: float = READY_TIMEOUT_S
+) -> Child:
+    """Run `python -m MODULE ARGS` (optionally under `wrapper`) and wait for its ready line."""
+    cmd = [*wrapper, sys.executable, "-m", module, *args]
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event.get("event") == "ready":
+            return Child(name, proc, event)
+    proc.kill()
+    raise StartFailed(f"{name} did not get ready (exit code {proc.wait()}): {' '.join(cmd)}")

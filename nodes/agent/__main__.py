@@ -1,0 +1,126 @@
+"""`python -m nodes.agent`: the site agent in front of one site's SGLang workers.
+
+    python -m nodes.agent --site us-mi355x --region us-west-2 --gpu mi355x --gpus 16 \\
+        --port 50062 --scheduler 127.0.0.1:50051 --emulate --speed 0.1
+    python -m nodes.agent ... --worker-url http://gpu-host-1:30000 --worker-url ...
+
+With `--emulate` it launches an emulator process with one worker per GPU and owns it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+
+import aiohttp
+import grpc
+import structlog
+import uvloop
+
+from federation import logs, wire
+from nodes.agent.pool import WorkerPool
+from nodes.agent.reporter import Reporter
+from nodes.agent.service import SiteAgentService
+from nodes.emulator.launch import EmulatorProcess, launch
+
+log = structlog.get_logger("agent")
+GRACE_S = 2.0
+WORKER_HTTP_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)  # answers may take minutes
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m nodes.agent", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--site", required=True)
+    p.add_argument("--region", required=True)
+    p.add_argument("--gpu", required=True, choices=["mi300x", "mi355x"])
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--model", default="openai/gpt-oss-120b")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--advertise", default=None, help="host:port gateways dial (default host:port)")
+    p.add_argument("--scheduler", action="append", required=True, help="host:port, repeatable")
+    workers = p.add_mutually_exclusive_group(required=True)
+    workers.add_argument("--worker-url", action="append", help="an SGLang worker, repeatable")
+    workers.add_argument("--emulate", action="store_true", help="launch emulated workers, one per GPU")
+    p.add_argument("--speed", type=float, default=1.0, help="emulated GPU speed (with --emulate)")
+    p.add_argument("--emulator-port", type=int, default=None, help="first worker port (with --emulate)")
+    args = p.parse_args(argv)
+    if args.gpus < 1:
+        p.error("--gpus must be >= 1")
+    return args
+
+
+async def serve(args: argparse.Namespace) -> int:
+    emulator: EmulatorProcess | None = None
+    if args.emulate:
+        emulator = await asyncio.to_thread(
+            launch,
+            [
+                "--profile",
+                args.gpu,
+                "--workers",
+                str(args.gpus),
+                "--speed",
+                str(args.speed),
+                "--served-model-name",
+                args.model,
+            ],
+            port=args.emulator_port,
+        )
+    urls = emulator.urls if emulator else args.worker_url
+    try:
+        async with aiohttp.ClientSession(
+            timeout=WORKER_HTTP_TIMEOUT, connector=aiohttp.TCPConnector(limit=0)
+        ) as session:
+            return await _serve_site(args, urls, session)
+    finally:
+        if emulator is not None:
+            await asyncio.to_thread(emulator.stop)
+
+
+async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohttp.ClientSession) -> int:
+    pool = WorkerPool(urls, session)
+    await pool.check_all()
+    service = SiteAgentService(args.site, pool, session)
+    server = grpc.aio.server()
+    wire.add_site_agent_to_server(service, server)
+    address = f"{args.host}:{args.port}"
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:
+        log.error("agent.bind_failed", address=address, error=str(exc))
+        return 1
+    await server.start()
+    registration = wire.SiteRegistration(
+        args.site, args.region, args.gpu, args.gpus, args.advertise or address, args.model
+    )
+    reporter = Reporter(registration, service.report)
+    tasks = [asyncio.ensure_future(pool.check_forever())]
+    tasks += [asyncio.ensure_future(reporter.run(s)) for s in args.scheduler]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(json.dumps({"event": "ready", "site": args.site, "agent": address, "workers": urls}), flush=True)
+    await stop.wait()
+    log.info("agent.stopping", site=args.site)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await server.stop(GRACE_S)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logs.configure()
+    return uvloop.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""HTTP client for one SGLang worker: streamed /generate as deltas, abort, metrics.
+
+SGLang streams cumulative events by default (each holds everything so far); the agent
+works in deltas, so this turns either form into "what is new since the last event".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class WorkerRejected(Exception):
+    """The worker refused the request (SGLang's 400): the client's fault, not the site's."""
+
+
+class WorkerFailed(Exception):
+    """The worker broke, hung up or answered with a server error: the site's fault."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    text: str
+    output_ids: tuple[int, ...]
+    completion_tokens: int
+    prompt_tokens: int
+    finish_reason: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """The gauges the agent reads from a worker's /metrics."""
+
+    running_requests: int
+    queued_requests: int
+    token_usage: float
+    gen_throughput_tok_s: float
+
+
+def _error_message(body: Any) -> str:
+    """SGLang's three error shapes: {"error": str}, {"error": {"message"}}, {"message"}."""
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, str):
+            return err
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+    return json.dumps(body)
+
+
+async def stream_generate(
+    session: aiohttp.ClientSession, url: str, payload: dict[str, Any], *, incremental: bool = False
+) -> AsyncIterator[Delta]:
+    """POST /generate with stream=true and yield what each event adds."""
+    sent_text, sent_ids = 0, 0
+    try:
+        async with session.post(url + "/generate", json={**payload, "stream": True}) as resp:
+            if resp.status >= 500:
+                raise WorkerFailed(f"{url} answered {resp.status}")
+            if resp.status != 200:
+                raise WorkerRejected(_error_message(await resp.json(content_type=None)))
+            async for raw in resp.content:
+                if not raw.startswith(b"data: "):
+                    continue
+                data = raw[len(b"data: ") :].strip()
+                if data == b"[DONE]":
+                    return
+                event = json.loads(data)
+                if "error" in event:
+                    err = event["error"]
+                    if isinstance(err, dict) and err.get("code", 400) < 500:
+                        raise WorkerRejected(_error_message(event))
+                    raise WorkerFailed(_error_message(event))
+                meta = event["meta_info"]
+                text, ids = event["text"], event["output_ids"]
+                if incremental:
+                    new_text, new_ids = text, ids
+                else:
+                    new_text, new_ids = text[sent_text:], ids[sent_ids:]
+                    sent_text, sent_ids = len(text), len(ids)
+                yield Delta(
+                    new_text,
+                    tuple(new_ids),
+                    meta["completion_tokens"],
+                    meta.get("prompt_tokens", 0),
+                    meta["finish_reason"],
+                )
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise WorkerFailed(f"{url}: {type(exc).__name__}: {exc}") from exc
+    raise WorkerFailed(f"{url} ended the stream without [DONE]")
+
+
+async def abort(session: aiohttp.ClientSession, url: str, rid: str) -> None:
+    """Best effort: the worker also aborts when our connection closes."""
+    try:
+        async with session.post(url + "/abort_request", json={"rid": rid}) as resp:
+            await resp.read()
+    except (aiohttp.ClientError, TimeoutError):
+        pass
+
+
+async def healthy(session: aiohttp.ClientSession, url: str, timeout_s: float) -> bool:
+    try:
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+async def scrape(session: aiohttp.ClientSession, url: str, timeout_s: float) -> WorkerStats | None:
+    """The worker's load gauges, or None when /metrics cannot be read."""
+    try:
+        async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type == "gauge":
+            values[family.name] = sum(s.value for s in family.samples)
+    return WorkerStats(
+        running_requests=int(values.get("sglang:num_running_reqs", 0)),
+        queued_requests=int(values.get("sglang:num_queue_reqs", 0)),
+        token_usage=values.get("sglang:token_usage", 0.0),
+        gen_throughput_tok_s=values.get("sglang:gen_throughput", 0.0),
+    )

@@ -1,0 +1,208 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SiteStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SITE_STATUS_UNSPECIFIED: _ClassVar[SiteStatus]
+    SITE_STATUS_JOINING: _ClassVar[SiteStatus]
+    SITE_STATUS_READY: _ClassVar[SiteStatus]
+    SITE_STATUS_DRAINING: _ClassVar[SiteStatus]
+    SITE_STATUS_DOWN: _ClassVar[SiteStatus]
+
+class Command(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMMAND_UNSPECIFIED: _ClassVar[Command]
+    COMMAND_DRAIN: _ClassVar[Command]
+    COMMAND_UNDRAIN: _ClassVar[Command]
+    COMMAND_REMOVE: _ClassVar[Command]
+SITE_STATUS_UNSPECIFIED: SiteStatus
+SITE_STATUS_JOINING: SiteStatus
+SITE_STATUS_READY: SiteStatus
+SITE_STATUS_DRAINING: SiteStatus
+SITE_STATUS_DOWN: SiteStatus
+COMMAND_UNSPECIFIED: Command
+COMMAND_DRAIN: Command
+COMMAND_UNDRAIN: Command
+COMMAND_REMOVE: Command
+
+class SiteRegistration(_message.Message):
+    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "model")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    region: str
+    gpu: str
+    gpus: int
+    agent_address: str
+    model: str
+    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class Registered(_message.Message):
+    __slots__ = ("site", "prior_capacity_tok_s", "report_interval_s")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_CAPACITY_TOK_S_FIELD_NUMBER: _ClassVar[int]
+    REPORT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    prior_capacity_tok_s: float
+    report_interval_s: float
+    def __init__(self, site: _Optional[str] = ..., prior_capacity_tok_s: _Optional[float] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
+
+class SiteReport(_message.Message):
+    __slots__ = ("site", "healthy_workers", "total_workers", "running_requests", "queued_requests", "kv_usage", "gen_throughput_tok_s", "outstanding_requests", "outstanding_tokens")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    GEN_THROUGHPUT_TOK_S_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    healthy_workers: int
+    total_workers: int
+    running_requests: int
+    queued_requests: int
+    kv_usage: float
+    gen_throughput_tok_s: float
+    outstanding_requests: int
+    outstanding_tokens: int
+    def __init__(self, site: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ...) -> None: ...
+
+class SchedulerCommand(_message.Message):
+    __slots__ = ("command", "reason")
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    command: Command
+    reason: str
+    def __init__(self, command: _Optional[_Union[Command, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("request_id", "client_region", "prompt_tokens", "max_tokens", "exclude_sites")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_REGION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_SITES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    client_region: str
+    prompt_tokens: int
+    max_tokens: int
+    exclude_sites: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., client_region: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_sites: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RouteDecision(_message.Message):
+    __slots__ = ("site", "agent_address", "expected_delay_s", "reason")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_DELAY_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    agent_address: str
+    expected_delay_s: float
+    reason: str
+    def __init__(self, site: _Optional[str] = ..., agent_address: _Optional[str] = ..., expected_delay_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("interval_s",)
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    interval_s: float
+    def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
+
+class SiteState(_message.Message):
+    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "status", "capacity_tok_s", "outstanding_requests", "outstanding_tokens", "routed_requests", "healthy_workers", "total_workers", "last_report_age_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOK_S_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_REPORT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    region: str
+    gpu: str
+    gpus: int
+    agent_address: str
+    status: SiteStatus
+    capacity_tok_s: float
+    outstanding_requests: int
+    outstanding_tokens: int
+    routed_requests: int
+    healthy_workers: int
+    total_workers: int
+    last_report_age_s: float
+    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., status: _Optional[_Union[SiteStatus, str]] = ..., capacity_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., last_report_age_s: _Optional[float] = ...) -> None: ...
+
+class FederationState(_message.Message):
+    __slots__ = ("sites", "model")
+    SITES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    sites: _containers.RepeatedCompositeFieldContainer[SiteState]
+    model: str
+    def __init__(self, sites: _Optional[_Iterable[_Union[SiteState, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class SiteRef(_message.Message):
+    __slots__ = ("site",)
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    def __init__(self, site: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "text", "input_ids", "sampling_params_json", "prompt_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_params_json: str
+    prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateChunk(_message.Message):
+    __slots__ = ("text", "output_ids", "completion_tokens", "prompt_tokens", "finish_reason_json", "site", "worker")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_JSON_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    output_ids: _containers.RepeatedScalarFieldContainer[int]
+    completion_tokens: int
+    prompt_tokens: int
+    finish_reason_json: str
+    site: str
+    worker: str
+    def __init__(self, text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., completion_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., finish_reason_json: _Optional[str] = ..., site: _Optional[str] = ..., worker: _Optional[str] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortReply(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...

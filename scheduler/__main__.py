@@ -1,0 +1,74 @@
+"""`python -m scheduler --port 50051 --model openai/gpt-oss-120b [--rtt-ms A:B=130 ...]`"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+
+import grpc
+import structlog
+import uvloop
+
+from federation import logs, wire
+from scheduler.service import SchedulerService
+
+log = structlog.get_logger("scheduler")
+GRACE_S = 2.0  # in-flight RPCs get this long at shutdown
+
+
+def parse_rtt(text: str) -> tuple[str, str, float]:
+    """`ap-northeast-2:us-west-2=130` -> (a, b, 0.130 s)."""
+    try:
+        pair, ms = text.split("=")
+        a, b = pair.split(":")
+        return a, b, float(ms) / 1000.0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected REGION:REGION=MS, got {text!r}") from None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m scheduler", description="The federation's global scheduler.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--model", default="openai/gpt-oss-120b", help="the model every site must serve")
+    p.add_argument("--rtt-ms", type=parse_rtt, action="append", default=[], help="REGION:REGION=MS, repeatable")
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    rtt = {}
+    for a, b, s in args.rtt_ms:
+        rtt[(a, b)] = rtt[(b, a)] = s
+    service = SchedulerService(args.model, rtt)
+    server = grpc.aio.server()
+    wire.add_scheduler_to_server(service, server)
+    address = f"{args.host}:{args.port}"
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:
+        log.error("scheduler.bind_failed", address=address, error=str(exc))
+        return 1
+    await server.start()
+    expiry = asyncio.ensure_future(service.expire_forever())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(json.dumps({"event": "ready", "scheduler": address}), flush=True)
+    await stop.wait()
+    expiry.cancel()
+    await server.stop(GRACE_S)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logs.configure()
+    return uvloop.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

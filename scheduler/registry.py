@@ -1,0 +1,161 @@
+"""The sites the scheduler knows, their states and the outstanding-work ledger.
+
+State is soft: everything here is rebuilt from the agents' registrations and reports
+within a report period, so a restarted scheduler replica needs no storage.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from federation.wire import RouteRequest, SiteRegistration, SiteReport, SiteState, SiteStatus
+from federation.work import expected_output_tokens
+from scheduler.capacity import current_capacity_tok_s, prior_capacity_tok_s
+from scheduler.policy import SiteLoad
+
+
+class RegistrationRefused(ValueError):
+    """A site may not join: wrong model, unknown GPU, bad fields."""
+
+
+class UnknownSite(KeyError):
+    pass
+
+
+@dataclass(slots=True)
+class Site:
+    registration: SiteRegistration
+    prior_capacity_tok_s: float
+    status: SiteStatus = SiteStatus.JOINING
+    connected: bool = False  # a report stream is open
+    last_report_at: float = 0.0
+    report: SiteReport | None = None
+    outstanding_requests: int = 0
+    outstanding_tokens: int = 0
+    routed_requests: int = 0
+    draining: bool = field(default=False)
+
+    @property
+    def capacity_tok_s(self) -> float:
+        if self.report is None:
+            return self.prior_capacity_tok_s
+        return current_capacity_tok_s(self.prior_capacity_tok_s, self.report.healthy_workers, self.report.total_workers)
+
+
+class Registry:
+    def __init__(self, model: str, heartbeat_timeout_s: float) -> None:
+        self.model = model
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.sites: dict[str, Site] = {}
+
+    def register(self, reg: SiteRegistration) -> Site:
+        if not reg.name:
+            raise RegistrationRefused("a site needs a name")
+        if reg.model != self.model:
+            raise RegistrationRefused(
+                f"site {reg.name!r} serves {reg.model!r}, but this federation serves {self.model!r}"
+            )
+        try:
+            prior = prior_capacity_tok_s(reg.gpu, reg.gpus)
+        except KeyError:
+            raise RegistrationRefused(f"unknown GPU {reg.gpu!r}: use mi300x or mi355x") from None
+        if reg.gpus < 1 or not reg.agent_address:
+            raise RegistrationRefused("a site needs at least one GPU and an agent address")
+        old = self.sites.get(reg.name)
+        site = Site(reg, prior)
+        if old is not None:  # an agent that restarted keeps its counters and admin state
+            site.routed_requests, site.draining = old.routed_requests, old.draining
+        self.sites[reg.name] = site
+        return site
+
+    def get(self, name: str) -> Site:
+        try:
+            return self.sites[name]
+        except KeyError:
+            raise UnknownSite(name) from None
+
+    def apply_report(self, report: SiteReport, now: float) -> None:
+        site = self.get(report.site)
+        site.report = report
+        site.last_report_at = now
+        site.connected = True
+        site.outstanding_requests = report.outstanding_requests
+        site.outstanding_tokens = report.outstanding_tokens
+        site.status = self._live_status(site)
+
+    def disconnected(self, name: str) -> None:
+        """The report stream broke: route around the site at once."""
+        site = self.sites.get(name)
+        if site is not None:
+            site.connected = False
+            site.status = SiteStatus.DOWN
+
+    def expire(self, now: float) -> list[str]:
+        """Sites silent for longer than the heartbeat timeout go down; returns their names."""
+        gone = []
+        for site in self.sites.values():
+            silent = now - site.last_report_at > self.heartbeat_timeout_s
+            if site.status is not SiteStatus.DOWN and site.last_report_at and silent:
+                site.status = SiteStatus.DOWN
+                gone.append(site.registration.name)
+        return gone
+
+    def set_draining(self, name: str, draining: bool) -> Site:
+        site = self.get(name)
+        site.draining = draining
+        if site.status is not SiteStatus.DOWN:
+            site.status = self._live_status(site)
+        return site
+
+    def remove(self, name: str) -> Site:
+        site = self.get(name)
+        del self.sites[name]
+        site.status = SiteStatus.DOWN
+        return site
+
+    def routable(self) -> list[SiteLoad]:
+        return [
+            SiteLoad(
+                s.registration.name,
+                s.registration.region,
+                s.registration.agent_address,
+                s.capacity_tok_s,
+                s.outstanding_tokens,
+            )
+            for s in self.sites.values()
+            if s.status is SiteStatus.READY
+        ]
+
+    def record_route(self, name: str, req: RouteRequest) -> None:
+        """Count a decision until the site's next report says what it really holds."""
+        site = self.get(name)
+        site.routed_requests += 1
+        site.outstanding_requests += 1
+        site.outstanding_tokens += expected_output_tokens(req.max_tokens)
+
+    def states(self) -> tuple[SiteState, ...]:
+        return tuple(self.state_of(s) for s in self.sites.values())
+
+    def _live_status(self, site: Site) -> SiteStatus:
+        return SiteStatus.DRAINING if site.draining else SiteStatus.READY
+
+    @staticmethod
+    def state_of(s: Site) -> SiteState:
+        now = time.monotonic()
+        r = s.registration
+        return SiteState(
+            name=r.name,
+            region=r.region,
+            gpu=r.gpu,
+            gpus=r.gpus,
+            agent_address=r.agent_address,
+            status=s.status,
+            capacity_tok_s=s.capacity_tok_s,
+            outstanding_requests=s.outstanding_requests,
+            outstanding_tokens=s.outstanding_tokens,
+            routed_requests=s.routed_requests,
+            healthy_workers=s.report.healthy_workers if s.report else 0,
+            total_workers=s.report.total_workers if s.report else 0,
+            last_report_age_s=now - s.last_report_at if s.last_report_at else -1.0,
+        )

@@ -1,0 +1,146 @@
+"""The Scheduler gRPC service: registration, report streams, Route, state, admin.
+
+Decides, never carries tokens. Errors map to gRPC status codes here and only here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+import structlog
+
+from federation import wire
+from scheduler.policy import least_expected_delay
+from scheduler.registry import RegistrationRefused, Registry, UnknownSite
+
+log = structlog.get_logger("scheduler")
+
+REPORT_INTERVAL_S = 0.25  # agents report this often: a dead site is seen well within 1 s
+HEARTBEAT_TIMEOUT_S = 1.0  # a site silent this long is down (DESIGN: down within 1 s)
+EXPIRY_CHECK_S = 0.1
+
+
+class _StreamRefused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class SchedulerService(wire.SchedulerServicer):
+    def __init__(self, model: str, rtt_s: Mapping[tuple[str, str], float]) -> None:
+        self.registry = Registry(model, HEARTBEAT_TIMEOUT_S)
+        self.rtt_s = dict(rtt_s)
+        self._commands: dict[str, asyncio.Queue[wire.SchedulerCommand]] = {}
+
+    async def expire_forever(self) -> None:
+        """Mark silent sites down; runs for the life of the server."""
+        while True:
+            for name in self.registry.expire(time.monotonic()):
+                log.warning("site.down", site=name, reason="no report within heartbeat timeout")
+            await asyncio.sleep(EXPIRY_CHECK_S)
+
+    async def RegisterSite(self, request, context):
+        reg = wire.registration_from_pb(request)
+        try:
+            site = self.registry.register(reg)
+        except RegistrationRefused as exc:
+            log.warning("site.refused", site=reg.name, reason=str(exc))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        log.info(
+            "site.registered",
+            site=reg.name,
+            region=reg.region,
+            gpu=reg.gpu,
+            gpus=reg.gpus,
+            agent=reg.agent_address,
+            prior_capacity_tok_s=site.prior_capacity_tok_s,
+        )
+        return wire.registered_to_pb(wire.Registered(reg.name, site.prior_capacity_tok_s, REPORT_INTERVAL_S))
+
+    async def Report(self, request_iterator, context):
+        """Reports in, commands out. The stream's end marks the site down at once."""
+        commands: asyncio.Queue[wire.SchedulerCommand] = asyncio.Queue()
+        reader = asyncio.ensure_future(self._read_reports(request_iterator, commands))
+        try:
+            while True:
+                getter = asyncio.ensure_future(commands.get())
+                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    break
+                yield wire.command_to_pb(getter.result())
+            reader.result()
+        except _StreamRefused as exc:
+            await context.abort(exc.code, exc.message)
+        finally:
+            reader.cancel()
+
+    async def _read_reports(self, request_iterator, commands: asyncio.Queue[wire.SchedulerCommand]) -> None:
+        name: str | None = None
+        try:
+            async for msg in request_iterator:
+                report = wire.report_from_pb(msg)
+                if name is None:
+                    if report.site not in self.registry.sites:
+                        raise _StreamRefused(grpc.StatusCode.NOT_FOUND, f"site {report.site!r} is not registered")
+                    name = report.site
+                    self._commands[name] = commands
+                    log.info("site.connected", site=name)
+                elif report.site != name:
+                    raise _StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, "one report stream per site")
+                try:
+                    self.registry.apply_report(report, time.monotonic())
+                except UnknownSite:
+                    raise _StreamRefused(grpc.StatusCode.NOT_FOUND, f"site {name!r} was removed") from None
+        finally:
+            if name is not None and self._commands.get(name) is commands:
+                del self._commands[name]
+                self.registry.disconnected(name)
+                log.warning("site.down", site=name, reason="report stream ended")
+
+    async def Route(self, request, context):
+        req = wire.route_request_from_pb(request)
+        decision = least_expected_delay(self.registry.routable(), req, self.rtt_s)
+        if decision is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no site is ready to serve")
+        self.registry.record_route(decision.site, req)
+        return wire.decision_to_pb(decision)
+
+    def _state(self) -> wire.FederationState:
+        return wire.FederationState(self.registry.states(), self.registry.model)
+
+    async def GetState(self, request, context):
+        return wire.federation_state_to_pb(self._state())
+
+    async def WatchState(self, request, context) -> AsyncIterator:
+        interval = max(wire.state_request_from_pb(request), 0.05)
+        while True:
+            yield wire.federation_state_to_pb(self._state())
+            await asyncio.sleep(interval)
+
+    async def _admin(self, request, context, command: wire.Command):
+        name = wire.site_ref_from_pb(request)
+        try:
+            if command is wire.Command.REMOVE:
+                site = self.registry.remove(name)
+            else:
+                site = self.registry.set_draining(name, command is wire.Command.DRAIN)
+        except UnknownSite:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no site named {name!r}")
+        queue = self._commands.get(name)
+        if queue is not None:
+            queue.put_nowait(wire.SchedulerCommand(command, "operator"))
+        log.info("site.admin", site=name, command=command.name.lower())
+        return wire.site_state_to_pb(self.registry.state_of(site))
+
+    async def DrainSite(self, request, context):
+        return await self._admin(request, context, wire.Command.DRAIN)
+
+    async def UndrainSite(self, request, context):
+        return await self._admin(request, context, wire.Command.UNDRAIN)
+
+    async def RemoveSite(self, request, context):
+        return await self._admin(request, context, wire.Command.REMOVE)

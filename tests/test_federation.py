@@ -1,0 +1,245 @@
+"""The whole data path: client -> gateway -> scheduler -> site agent -> emulated SGLang workers.
+
+`fedctl up` runs a small version of the embedded default (4 GPUs a site instead of 16,
+emulated 10x faster) with the WAN link to Korea emulated at 130 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from federation import tokens
+from federation.processes import PROJECT_ROOT, Child, free_port_block, start_python
+from tests.test_worker_state import metric
+
+MODEL = "openai/gpt-oss-120b"
+GPUS = 4
+
+
+def _config(tmp: Path, sites: list[tuple[str, str, str]]) -> tuple[Path, dict]:
+    ports = {"gateway": free_port_block(1), "scheduler": free_port_block(1)}
+    lines = [
+        f"model: {MODEL}",
+        "speed: 10",
+        f"gateway: {{port: {ports['gateway']}, region: us-west-2}}",
+        f"scheduler: {{port: {ports['scheduler']}, region: us-west-2}}",
+        "links:",
+        "  - {between: [ap-northeast-2, us-west-2], rtt_ms: 130}",
+        "sites:",
+    ]
+    for name, region, gpu in sites:
+        ports[name] = free_port_block(GPUS)
+        lines.append(
+            f"  - {{name: {name}, region: {region}, gpu: {gpu}, gpus: {GPUS}, "
+            f"agent_port: {free_port_block(1)}, worker_port: {ports[name]}}}"
+        )
+    path = tmp / "federation.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path, ports
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Child, Path, dict]]:
+    path, ports = _config(
+        tmp_path_factory.mktemp("fed"),
+        [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")],
+    )
+    fed = start_python("fedctl up", "federation.cli", ["up", "--config", str(path)], timeout_s=90)
+    yield fed, path, ports
+    assert fed.stop(30) == 0
+
+
+@pytest.fixture
+async def client(federation) -> AsyncIterator[openai.AsyncOpenAI]:
+    fed, _, _ = federation
+    async with openai.AsyncOpenAI(base_url=fed.ready["endpoint"], api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def _status(path: Path) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "federation.cli", "status", "--json", "--config", str(path)],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+async def _worker_totals(http: aiohttp.ClientSession, ports: dict, *samples: tuple[str, dict]) -> float:
+    """The sum of these metric samples over every worker of every site."""
+    total = 0.0
+    for site in ("kr-mi300x", "us-mi355x"):
+        for port in range(ports[site], ports[site] + GPUS):
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                text = await resp.text()
+            total += sum(metric(text, name, **labels) for name, labels in samples)
+    return total
+
+
+ABORTED = ("sglang:num_aborted_requests_total", {})
+# The agent sends every request as a stream; its health checks (1-token generations) are not.
+SERVED = ("sglang:num_requests_total", {"is_streaming": "true"})
+
+
+MESSAGES = [{"role": "user", "content": "Tell me about rivers."}]
+
+
+async def test_chat_and_completion_with_usage(client: openai.AsyncOpenAI) -> None:
+    """The official client gets chat and completion answers, whole and streamed, whose usage adds up:
+    completion_tokens is what the text holds, prompt_tokens is the Harmony-rendered prompt."""
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=60, extra_body={"ignore_eos": True}
+    )
+    assert chat.usage.completion_tokens == 60 == len(tokens.encode(chat.choices[0].message.content))
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + 60
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=80,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == 80 == len(tokens.encode(text))
+    assert chunks[-1].usage.prompt_tokens == chat.usage.prompt_tokens
+    comp = await client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=40, extra_body={"ignore_eos": True}
+    )
+    assert comp.usage.completion_tokens == 40 == len(tokens.encode(comp.choices[0].text))
+    assert comp.usage.prompt_tokens == tokens.count("Once upon a time")
+    stream = await client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=40,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = [c async for c in stream]
+    assert len(tokens.encode("".join(c.choices[0].text for c in chunks if c.choices))) == 40
+    assert chunks[-1].usage.completion_tokens == 40
+
+
+async def test_forty_requests_reach_both_sites(client: openai.AsyncOpenAI, federation) -> None:
+    """Forty concurrent requests are spread over both sites by capacity, and `fedctl status --json`
+    shows both sites ready with the requests routed to each."""
+    _, path, _ = federation
+    before = {s["name"]: s["routed_requests"] for s in _status(path)["sites"]}
+
+    async def one(i: int) -> str:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"question {i}"}],
+            max_tokens=200,
+            extra_body={"ignore_eos": True},
+        )
+        assert raw.parse().usage.completion_tokens == 200
+        return raw.headers["x-federation-site"]
+
+    sites = Counter(await asyncio.gather(*(one(i) for i in range(40))))
+    assert set(sites) == {"kr-mi300x", "us-mi355x"}
+    assert sites["us-mi355x"] > sites["kr-mi300x"], "the MI355X site has ~4.5x the prior capacity"
+    status = _status(path)
+    assert {s["name"]: s["state"] for s in status["sites"]} == {"kr-mi300x": "ready", "us-mi355x": "ready"}
+    routed = {s["name"]: s["routed_requests"] - before[s["name"]] for s in status["sites"]}
+    assert routed == dict(sites)
+    assert set(status["sites"][0]) == {
+        "name",
+        "region",
+        "gpu",
+        "gpus",
+        "state",
+        "capacity_tok_s",
+        "outstanding_requests",
+        "routed_requests",
+    }
+
+
+async def test_generate_passthrough(federation, http: aiohttp.ClientSession) -> None:
+    """SGLang's native /generate works through the gateway, whole and streamed (cumulative)."""
+    fed, _, _ = federation
+    base = fed.ready["endpoint"].removesuffix("/v1")
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}}
+    async with http.post(base + "/generate", json=body) as resp:
+        out = await resp.json()
+    assert out["meta_info"]["completion_tokens"] == 30 == len(out["output_ids"])
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 30}
+    async with http.post(base + "/generate", json={**body, "stream": True}) as resp:
+        lines = [line.decode().strip() async for line in resp.content if line.strip()]
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][len("data: ") :])
+    assert last["meta_info"]["completion_tokens"] == 30 and tokens.encode(last["text"]) == last["output_ids"]
+
+
+async def test_client_disconnect_aborts_at_the_worker(federation, http: aiohttp.ClientSession) -> None:
+    """A client that leaves mid-stream gets its request aborted at the worker (emulator metrics)."""
+    fed, _, ports = federation
+    aborted_before = await _worker_totals(http, ports, ABORTED)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 50_000, "stream": True, "ignore_eos": True}
+    resp = await http.post(fed.ready["endpoint"] + "/chat/completions", json=body)
+    await resp.content.readline()
+    resp.close()
+    for _ in range(100):
+        if await _worker_totals(http, ports, ABORTED) > aborted_before:
+            break
+        await asyncio.sleep(0.1)
+    assert await _worker_totals(http, ports, ABORTED) == aborted_before + 1
+
+
+BAD_REQUESTS = [
+    pytest.param(b'{"model": "openai/gpt-oss-120b", "messages": [', 400, id="malformed-json"),
+    pytest.param({"model": MODEL}, 400, id="no-messages"),
+    pytest.param({"model": MODEL, "messages": []}, 400, id="empty-messages"),
+    pytest.param({"model": "gpt-4o", "messages": MESSAGES}, 404, id="unknown-model"),
+    pytest.param({"model": MODEL, "messages": MESSAGES, "max_tokens": 0}, 400, id="max-tokens-zero"),
+    pytest.param({"model": MODEL, "messages": MESSAGES, "max_tokens": 200_000}, 400, id="max-tokens-past-context"),
+    pytest.param({"model": MODEL, "messages": MESSAGES, "temperature": "hot"}, 400, id="wrong-type"),
+    pytest.param(
+        {"model": MODEL, "messages": [{"role": "user", "content": " hello" * 140_000}]}, 400, id="prompt-past-context"
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "status"), BAD_REQUESTS)
+async def test_bad_requests_never_reach_a_worker(federation, http: aiohttp.ClientSession, body, status) -> None:
+    """Bad chat requests get an OpenAI error object with a 4xx status; no site is asked and no
+    worker sees a request."""
+    fed, path, ports = federation
+    routed = sum(s["routed_requests"] for s in _status(path)["sites"])
+    seen = await _worker_totals(http, ports, SERVED, ABORTED)
+    kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+    async with http.post(fed.ready["endpoint"] + "/chat/completions", **kwargs) as resp:
+        assert resp.status == status
+        error = (await resp.json())["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert sum(s["routed_requests"] for s in _status(path)["sites"]) == routed
+    assert await _worker_totals(http, ports, SERVED, ABORTED) == seen
+
+
+def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+    """Ctrl-C on `fedctl up` stops the gateway, scheduler, agents and emulators, and exits 0."""
+    path, ports = _config(tmp_path, [("us-mi355x", "us-west-2", "mi355x")])
+    fed = start_python("fedctl up", "federation.cli", ["up", "--config", str(path)], timeout_s=90)
+    fed.proc.send_signal(signal.SIGINT)
+    assert fed.proc.wait(30) == 0
+    for port in [ports["gateway"], ports["scheduler"], *range(ports["us-mi355x"], ports["us-mi355x"] + GPUS)]:
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still open"

@@ -1,0 +1,66 @@
+"""Routing policy and registry as plain values: no servers."""
+
+from __future__ import annotations
+
+from federation.wire import RouteRequest, SiteRegistration, SiteReport, SiteStatus
+from scheduler.policy import SiteLoad, least_expected_delay
+from scheduler.registry import RegistrationRefused, Registry
+
+KR = SiteLoad("kr", "ap-northeast-2", "kr:1", capacity_tok_s=50_000, outstanding_tokens=0)
+US = SiteLoad("us", "us-west-2", "us:1", capacity_tok_s=226_000, outstanding_tokens=0)
+RTT = {("ap-northeast-2", "us-west-2"): 0.13, ("us-west-2", "ap-northeast-2"): 0.13}
+
+
+def _req(**kw) -> RouteRequest:
+    return RouteRequest(request_id="r", prompt_tokens=100, **kw)
+
+
+def test_idle_sites_prefer_the_larger_capacity() -> None:
+    """With nothing queued, the site that drains a request fastest wins."""
+    assert least_expected_delay([KR, US], _req(max_tokens=500), RTT).site == "us"
+
+
+def test_queued_work_over_capacity_moves_traffic() -> None:
+    """Once the big site holds more work per unit of capacity, the small one is chosen."""
+    busy_us = SiteLoad("us", "us-west-2", "us:1", 226_000, outstanding_tokens=600_000)
+    decision = least_expected_delay([KR, busy_us], _req(max_tokens=500), RTT)
+    assert decision.site == "kr"
+    assert decision.expected_delay_s == (0 + 500) / 50_000
+
+
+def test_client_region_adds_the_wan_round_trip() -> None:
+    """A Korean client's request goes to Korea when the US would only win by less than the RTT."""
+    slightly_busy_us = SiteLoad("us", "us-west-2", "us:1", 226_000, outstanding_tokens=1_000)
+    req = _req(max_tokens=500, client_region="ap-northeast-2")
+    assert least_expected_delay([KR, slightly_busy_us], req, RTT).site == "kr"
+    assert least_expected_delay([KR, slightly_busy_us], _req(max_tokens=500), RTT).site == "us"
+
+
+def test_excluded_and_empty() -> None:
+    """Excluded sites are skipped; with none left there is no decision."""
+    assert least_expected_delay([KR, US], _req(exclude_sites=("us",)), RTT).site == "kr"
+    assert least_expected_delay([KR], _req(exclude_sites=("kr",)), RTT) is None
+
+
+def test_registry_refuses_another_model_and_tracks_states() -> None:
+    """A site serving another model is refused with the reason; reports make a site ready, draining
+    keeps it out of routing, and a broken stream marks it down at once."""
+    reg = Registry("openai/gpt-oss-120b", heartbeat_timeout_s=1.0)
+    try:
+        reg.register(SiteRegistration("x", "r", "mi355x", 8, "x:1", "other/model"))
+    except RegistrationRefused as exc:
+        assert "other/model" in str(exc)
+    else:
+        raise AssertionError("registration of another model was accepted")
+    reg.register(SiteRegistration("us", "us-west-2", "mi355x", 16, "us:1", "openai/gpt-oss-120b"))
+    assert reg.routable() == []
+    reg.apply_report(SiteReport("us", healthy_workers=12, total_workers=16), now=10.0)
+    assert [s.site for s in reg.routable()] == ["us"]
+    assert reg.routable()[0].capacity_tok_s == 14155.0 * 16 * 12 / 16
+    reg.set_draining("us", True)
+    assert reg.routable() == [] and reg.states()[0].status is SiteStatus.DRAINING
+    reg.set_draining("us", False)
+    assert reg.expire(now=10.5) == [] and reg.expire(now=11.5) == ["us"]
+    reg.apply_report(SiteReport("us", healthy_workers=16, total_workers=16), now=12.0)
+    reg.disconnected("us")
+    assert reg.states()[0].status is SiteStatus.DOWN
