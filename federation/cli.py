@@ -16,19 +16,12 @@ from pathlib import Path
 
 import grpc
 
-from federation import wire
+from federation import runtime, wire
 from federation.config import Config, ConfigError, load
 from federation.processes import Child, StartFailed, free_port_block, start_python
 
 READY_WAIT_S = 60.0  # sites must report ready within this long after their agents start
 STATUS_TIMEOUT_S = 3.0
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -39,7 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     up = sub.add_parser("up", help="start a federation and serve until Ctrl-C")
     up.add_argument("--config", type=Path, default=None, help="YAML: regions, RTTs, sites, ports")
     up.add_argument("--port", type=int, default=None, help="the gateway's port (default 8080)")
-    up.add_argument("--speed", type=_positive_float, default=None, help="emulated GPU speed (0.1 = 10x slower)")
+    up.add_argument("--speed", type=runtime.positive_float, default=None, help="emulated GPU speed (0.1 = 10x slower)")
     status = sub.add_parser("status", help="list the sites")
     status.add_argument("--json", action="store_true")
     status.add_argument("--config", type=Path, default=None)
@@ -125,8 +118,6 @@ class Federation:
                 scheduler,
                 "--model",
                 c.model,
-                "--region",
-                c.gateway_region,
             ],
         )
         self._wait_sites_ready(scheduler)

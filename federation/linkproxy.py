@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
-import signal
 import socket
 import struct
 import sys
@@ -32,9 +30,8 @@ from dataclasses import dataclass
 from types import TracebackType
 
 import structlog
-import uvloop
 
-from federation import logs
+from federation import runtime
 
 log = structlog.get_logger("linkproxy")
 
@@ -333,10 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = runtime.stop_event()
     (listen_host, listen_port), (target_host, target_port) = args.listen, args.target
     proxy = LinkProxy(Link(listen_host, listen_port, target_host, target_port, args.rtt_ms))
     try:
@@ -344,13 +338,9 @@ async def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         log.error("link.bind_failed", listen=_join(listen_host, listen_port), error=str(exc))
         return 1
-    ready = {
-        "event": "ready",
-        "listen": _join(listen_host, proxy.port),
-        "target": _join(target_host, target_port),
-        "rtt_ms": args.rtt_ms,
-    }
-    print(json.dumps(ready), flush=True)
+    runtime.announce_ready(
+        listen=_join(listen_host, proxy.port), target=_join(target_host, target_port), rtt_ms=args.rtt_ms
+    )
     await stop.wait()
     await proxy.stop()
     return 0
@@ -358,8 +348,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logs.configure()
-    return uvloop.run(serve(args))
+    return runtime.run(serve, args)
 
 
 if __name__ == "__main__":

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import signal
 import sys
 
 import grpc
 import structlog
-import uvloop
 
-from federation import logs, wire
+from federation import runtime, wire
 from scheduler.service import SchedulerService
 
 log = structlog.get_logger("scheduler")
@@ -53,11 +50,8 @@ async def serve(args: argparse.Namespace) -> int:
         return 1
     await server.start()
     expiry = asyncio.ensure_future(service.expire_forever())
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    print(json.dumps({"event": "ready", "scheduler": address}), flush=True)
+    stop = runtime.stop_event()
+    runtime.announce_ready(scheduler=address)
     await stop.wait()
     expiry.cancel()
     await server.stop(GRACE_S)
@@ -66,8 +60,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logs.configure()
-    return uvloop.run(serve(args))
+    return runtime.run(serve, args)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import aiohttp
 import orjson
 import psutil
 
+from federation import runtime
 from nodes.emulator.launch import EmulatorProcess, launch
 from nodes.emulator.profiles import PROFILES
 
@@ -296,13 +297,6 @@ async def run_scale(args: argparse.Namespace) -> dict[str, Any]:
         emu.stop()
 
 
-def _positive(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python3 -m federation.bench.emulator",
@@ -311,21 +305,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     sub = p.add_subparsers(dest="benchmark", required=True)
     fid = sub.add_parser("fidelity", help="one saturated GPU of each profile vs the model")
-    fid.add_argument("--speed", type=_positive, default=1.0)
-    fid.add_argument("--warmup-s", type=_positive, default=240.0, help="past two output lifetimes")
-    fid.add_argument("--window-s", type=_positive, default=240.0)
+    fid.add_argument("--speed", type=runtime.positive_float, default=1.0)
+    fid.add_argument("--warmup-s", type=runtime.positive_float, default=240.0, help="past two output lifetimes")
+    fid.add_argument("--window-s", type=runtime.positive_float, default=240.0)
     fid.add_argument(
         "--stream-chunk-ms",
-        type=_positive,
+        type=runtime.positive_float,
         default=10_000.0,
         help="few events per stream: the client measures TTFT and the end, not every token",
     )
     sc = sub.add_parser("scale", help="16 MI355X in one process, streaming off")
     sc.add_argument("--workers", type=int, default=16)
-    sc.add_argument("--speed", type=_positive, default=1.0)
+    sc.add_argument("--speed", type=runtime.positive_float, default=1.0)
     sc.add_argument("--output-mean", type=int, default=1300)
-    sc.add_argument("--warmup-s", type=_positive, default=200.0)
-    sc.add_argument("--window-s", type=_positive, default=120.0)
+    sc.add_argument("--warmup-s", type=runtime.positive_float, default=200.0)
+    sc.add_argument("--window-s", type=runtime.positive_float, default=120.0)
     for parser in (fid, sc):
         parser.add_argument("--json", type=Path, default=None, help="write the result here")
     return p.parse_args(argv)

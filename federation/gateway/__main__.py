@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import signal
 import sys
 
 import structlog
-import uvloop
 from aiohttp import web
 
-from federation import logs, tokens
+from federation import runtime, tokens
 from federation.gateway.app import GatewayConfig, build_app
 
 log = structlog.get_logger("gateway")
@@ -24,13 +20,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--scheduler", required=True, help="host:port of a scheduler")
     p.add_argument("--model", default="openai/gpt-oss-120b")
-    p.add_argument("--region", default="", help="where this gateway runs")
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> int:
     tokens.count("warm up")  # load the tokenizer before the first request pays for it
-    app = build_app(GatewayConfig(args.scheduler, args.model, region=args.region))
+    app = build_app(GatewayConfig(args.scheduler, args.model))
     # Cancel a handler when its client disconnects, so the site's work is aborted too.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -40,11 +35,8 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("gateway.bind_failed", host=args.host, port=args.port, error=str(exc))
         await runner.cleanup()
         return 1
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    print(json.dumps({"event": "ready", "gateway": f"http://{args.host}:{args.port}"}), flush=True)
+    stop = runtime.stop_event()
+    runtime.announce_ready(gateway=f"http://{args.host}:{args.port}")
     await stop.wait()
     await runner.cleanup()
     return 0
@@ -52,8 +44,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logs.configure()
-    return uvloop.run(serve(args))
+    return runtime.run(serve, args)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ class GatewayConfig:
     scheduler_address: str
     model: str = "openai/gpt-oss-120b"
     context_tokens: int = 131_072
-    region: str = ""
 
 
 CONFIG_KEY = web.AppKey("config", GatewayConfig)

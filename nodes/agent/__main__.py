@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import signal
 import sys
 
 import aiohttp
 import grpc
 import structlog
-import uvloop
 
-from federation import logs, wire
+from federation import runtime, wire
 from nodes.agent.pool import WorkerPool
 from nodes.agent.reporter import Reporter
 from nodes.agent.service import SiteAgentService
@@ -102,11 +99,8 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     reporter = Reporter(registration, service.report)
     tasks = [asyncio.ensure_future(pool.check_forever())]
     tasks += [asyncio.ensure_future(reporter.run(s)) for s in args.scheduler]
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    print(json.dumps({"event": "ready", "site": args.site, "agent": address, "workers": urls}), flush=True)
+    stop = runtime.stop_event()
+    runtime.announce_ready(site=args.site, agent=address, workers=urls)
     await stop.wait()
     log.info("agent.stopping", site=args.site)
     for t in tasks:
@@ -118,8 +112,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logs.configure()
-    return uvloop.run(serve(args))
+    return runtime.run(serve, args)
 
 
 if __name__ == "__main__":

@@ -9,41 +9,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import resource
-import signal
 import sys
 
 import structlog
-import uvloop
 
-from federation import logs, tokens
+from federation import runtime, tokens
 from nodes.emulator.profiles import PROFILES
 from nodes.emulator.server import WorkerServer
 from nodes.emulator.worker import Faults, WorkerConfig
 
 log = structlog.get_logger("emulator")
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def at_least_one(text: str) -> float:
-    value = float(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,20 +28,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="SGLang-compatible workers with calibrated MI300X / MI355X performance models.",
     )
     p.add_argument("--profile", choices=sorted(PROFILES), required=True, help="GPU to emulate")
-    p.add_argument("--workers", type=positive_int, default=1, help="GPUs (one port each)")
+    p.add_argument("--workers", type=runtime.positive_int, default=1, help="GPUs (one port each)")
     p.add_argument("--port", type=int, default=30000, help="first port; worker i gets port+i")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--speed", type=positive_float, default=1.0, help="0.1 = GPUs ten times slower")
-    p.add_argument("--max-running-requests", type=positive_int, default=None)
+    p.add_argument("--speed", type=runtime.positive_float, default=1.0, help="0.1 = GPUs ten times slower")
+    p.add_argument("--max-running-requests", type=runtime.positive_int, default=None)
     p.add_argument(
         "--mean-output-tokens",
-        type=positive_float,
+        type=runtime.positive_float,
         default=1278.0,
         help="mean answer length when EOS is not ignored",
     )
     p.add_argument(
         "--stream-chunk-ms",
-        type=positive_float,
+        type=runtime.positive_float,
         default=100.0,
         help="emulated ms between stream events after the first token",
     )
@@ -73,12 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None, help="defaults to --model-path")
     p.add_argument("--incremental-streaming-output", action="store_true")
     faults = p.add_argument_group("faults (for drills; also settable at POST /_emulator/faults)")
-    faults.add_argument("--slowdown", type=at_least_one, default=1.0, help="brownout factor")
+    faults.add_argument("--slowdown", type=runtime.at_least_one, default=1.0, help="brownout factor")
     faults.add_argument("--unhealthy", action="store_true", help="health checks answer 503")
     faults.add_argument("--hang", action="store_true", help="accept requests, never answer")
     faults.add_argument(
         "--die-after-s",
-        type=positive_float,
+        type=runtime.positive_float,
         default=None,
         help="close every port and reset connections after this many seconds",
     )
@@ -112,10 +88,7 @@ async def serve(args: argparse.Namespace) -> int:
         WorkerServer(c, Faults(slowdown=args.slowdown, unhealthy=args.unhealthy, hang=args.hang))
         for c in worker_configs(args)
     ]
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = runtime.stop_event()
     try:
         for s in servers:
             await s.start()
@@ -125,18 +98,7 @@ async def serve(args: argparse.Namespace) -> int:
             await s.stop()
         return 1
     urls = [f"http://{args.host}:{s.config.port}" for s in servers]
-    print(
-        json.dumps(
-            {
-                "event": "ready",
-                "profile": args.profile,
-                "workers": len(urls),
-                "speed": args.speed,
-                "urls": urls,
-            }
-        ),
-        flush=True,
-    )
+    runtime.announce_ready(profile=args.profile, workers=len(urls), speed=args.speed, urls=urls)
     if args.die_after_s is not None:
         for s in servers:
             s.die_soon(args.die_after_s)
@@ -154,9 +116,8 @@ def raise_open_files_limit() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logs.configure()
     raise_open_files_limit()
-    return uvloop.run(serve(args))
+    return runtime.run(serve, args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,56 @@
+"""What every long-running program of ours shares: logging and the event loop, the JSON
+ready line other programs wait for, stopping on SIGTERM/SIGINT, and argument types."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import uvloop
+
+from federation import logs
+
+
+def run(serve: Callable[[argparse.Namespace], Awaitable[int]], args: argparse.Namespace) -> int:
+    """Configure logging, then run `serve(args)` on uvloop; its result is the exit code."""
+    logs.configure()
+    return uvloop.run(serve(args))  # type: ignore[arg-type]
+
+
+def stop_event() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (call inside the running loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def announce_ready(**fields: Any) -> None:
+    """The one stdout line that says this program serves (see federation.processes)."""
+    print(json.dumps({"event": "ready", **fields}), flush=True)
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def at_least_one(text: str) -> float:
+    value = float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
