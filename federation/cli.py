@@ -10,7 +10,6 @@ import argparse
 import json
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -149,32 +148,33 @@ def fetch_state(scheduler: str) -> wire.FederationState:
         return wire.federation_state_from_pb(stub.GetState(wire.state_request_to_pb(), timeout=STATUS_TIMEOUT_S))
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     config = load(args.config).with_overrides(port=args.port, speed=args.speed)
     federation = Federation(config)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops us like Ctrl-C, even mid start-up
     try:
         federation.up()
         endpoint = f"http://{config.host}:{config.gateway_port}/v1"
-        print(
-            json.dumps(
-                {"event": "ready", "endpoint": endpoint, "sites": [s.name for s in config.sites], "speed": config.speed}
-            ),
-            flush=True,
-        )
+        runtime.announce_ready(endpoint=endpoint, sites=[s.name for s in config.sites], speed=config.speed)
         print(f"federation ready: {endpoint}  (fedctl status; Ctrl-C stops it)", file=sys.stderr, flush=True)
-        while not stop.wait(0.5):
+        while True:
+            time.sleep(0.5)
             dead = [c.name for c in federation.children if not c.alive()]
             if dead:
                 print(f"fedctl: {', '.join(dead)} exited; stopping the federation", file=sys.stderr)
                 return 1
+    except KeyboardInterrupt:
         return 0
     except StartFailed as exc:
         print(f"fedctl: {exc}", file=sys.stderr)
         return 1
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         federation.down()
 
 
@@ -205,7 +205,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": state.model, "sites": rows}, indent=2))
         return 0
-    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in SITE_COLUMNS}
+    widths = {c: max([len(c), *(len(str(r[c])) for r in rows)]) for c in SITE_COLUMNS}
     print("  ".join(c.ljust(widths[c]) for c in SITE_COLUMNS))
     for r in rows:
         print("  ".join(str(r[c]).ljust(widths[c]) for c in SITE_COLUMNS))

@@ -75,6 +75,11 @@ def _need(d: dict[str, Any], key: str, kind: type, where: str) -> Any:
     return value
 
 
+def _port(value: object, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ConfigError(f"{where}: ports must be integers in 1..65535, got {value!r}")
+
+
 def parse(text: str, source: str = "config") -> Config:
     try:
         raw = yaml.safe_load(text)
@@ -84,6 +89,10 @@ def parse(text: str, source: str = "config") -> Config:
         raise ConfigError(f"{source}: the top level must be a mapping")
     gateway = raw.get("gateway") or {}
     scheduler = raw.get("scheduler") or {}
+    for name, section in (("gateway", gateway), ("scheduler", scheduler)):
+        if not isinstance(section, dict):
+            raise ConfigError(f"{source}: `{name}` must be a mapping like {{port: 8080, region: us-west-2}}")
+        _port(section.get("port", 1), f"{source}: {name}")
     rtt: dict[tuple[str, str], float] = {}
     for i, link in enumerate(raw.get("links") or []):
         between = link.get("between") if isinstance(link, dict) else None
@@ -111,6 +120,9 @@ def parse(text: str, source: str = "config") -> Config:
             raise ConfigError(f"{where}: gpu must be one of {', '.join(GPUS)}")
         if site.gpus < 1:
             raise ConfigError(f"{where}: gpus must be >= 1")
+        _port(site.agent_port, where)
+        if site.worker_port is not None:
+            _port(site.worker_port + site.gpus - 1, where)
         sites.append(site)
     if not sites:
         raise ConfigError(f"{source}: at least one site is needed")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import signal
 import socket
 import subprocess
@@ -80,10 +81,13 @@ def start_python(
     proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while (left := deadline - time.monotonic()) > 0:
+        readable, _, _ = select.select([proc.stdout], [], [], left)
+        if not readable:
+            break  # silent past the deadline: hung
         line = proc.stdout.readline()
         if not line:
-            break
+            break  # exited
         try:
             event = json.loads(line)
         except json.JSONDecodeError:

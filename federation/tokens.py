@@ -39,6 +39,14 @@ KNOWLEDGE_CUTOFF = "2024-06"  # what the gpt-oss chat template prints in its sys
 SYNTHETIC_STREAM_TOKENS = 1 << 16  # length of the repeating synthetic output stream
 
 
+# bpe-openai refuses to encode a piece this long; ~250 k tokens of prose, far past any context.
+MAX_ENCODE_CHARS = 1_000_000
+
+
+class PromptTooLong(ValueError):
+    """Text too long to tokenize at all (so surely longer than the model's context)."""
+
+
 @cache
 def _encoding() -> bpe_openai.Encoding:
     return bpe_openai.get_encoding("o200k_base")
@@ -51,6 +59,8 @@ def encode(text: str) -> list[int]:
     for part in _SPECIAL_SPLIT.split(text):
         if part in HARMONY_SPECIALS:
             ids.append(HARMONY_SPECIALS[part])
+        elif len(part) >= MAX_ENCODE_CHARS:
+            raise PromptTooLong(f"the text has {len(text)} characters, more than any context can hold")
         elif part:
             ids.extend(enc.encode_ordinary(part))
     return ids

@@ -40,7 +40,7 @@ async def serve(args: argparse.Namespace) -> int:
     for a, b, s in args.rtt_ms:
         rtt[(a, b)] = rtt[(b, a)] = s
     service = SchedulerService(args.model, rtt)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a busy port is an error
     wire.add_scheduler_to_server(service, server)
     address = f"{args.host}:{args.port}"
     try:

@@ -64,19 +64,21 @@ class SchedulerService(wire.SchedulerServicer):
         """Reports in, commands out. The stream's end marks the site down at once."""
         commands: asyncio.Queue[wire.SchedulerCommand] = asyncio.Queue()
         reader = asyncio.ensure_future(self._read_reports(request_iterator, commands))
+        getter: asyncio.Future[wire.SchedulerCommand] | None = None
         try:
             while True:
                 getter = asyncio.ensure_future(commands.get())
                 done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if getter not in done:
-                    getter.cancel()
                     break
                 yield wire.command_to_pb(getter.result())
             reader.result()
         except _StreamRefused as exc:
             await context.abort(exc.code, exc.message)
         finally:
-            reader.cancel()
+            for task in (getter, reader):
+                if task is not None:
+                    task.cancel()
 
     async def _read_reports(self, request_iterator, commands: asyncio.Queue[wire.SchedulerCommand]) -> None:
         name: str | None = None

@@ -215,6 +215,12 @@ BAD_REQUESTS = [
     pytest.param(
         {"model": MODEL, "messages": [{"role": "user", "content": " hello" * 140_000}]}, 400, id="prompt-past-context"
     ),
+    pytest.param(
+        {"model": MODEL, "messages": [{"role": "user", "content": "x" * 1_200_000}]}, 400, id="too-long-to-tokenize"
+    ),
+    pytest.param(
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400, id="part-type"
+    ),
 ]
 
 
@@ -232,6 +238,44 @@ async def test_bad_requests_never_reach_a_worker(federation, http: aiohttp.Clien
     assert error["message"] and error["type"] == "invalid_request_error"
     assert sum(s["routed_requests"] for s in _status(path)["sites"]) == routed
     assert await _worker_totals(http, ports, SERVED, ABORTED) == seen
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input_ids": [-1, 5]},
+        {"input_ids": [2**32]},
+        {"text": "hi", "sampling_params": {"max_new_tokens": 2**32}},
+        {"text": "hi", "sampling_params": "fast"},
+        {"sampling_params": {}},
+    ],
+    ids=["negative-id", "huge-id", "huge-max-new-tokens", "params-not-object", "no-prompt"],
+)
+async def test_bad_generate_requests_get_400(federation, http: aiohttp.ClientSession, body) -> None:
+    """SGLang-native /generate through the gateway refuses bad input with a 400 JSON error, before
+    any site is asked."""
+    fed, path, _ = federation
+    routed = sum(s["routed_requests"] for s in _status(path)["sites"])
+    async with http.post(fed.ready["endpoint"].removesuffix("/v1") + "/generate", json=body) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["type"] == "invalid_request_error"
+    assert sum(s["routed_requests"] for s in _status(path)["sites"]) == routed
+
+
+async def test_a_client_request_id_cannot_abort_anyone_else(federation, http: aiohttp.ClientSession) -> None:
+    """Client-chosen request ids are for logs only: a client whose id is a prefix of everyone's
+    ("req-") leaves, and another client's stream still completes; a repeated id is served too."""
+    fed, _, _ = federation
+    url = fed.ready["endpoint"] + "/chat/completions"
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 300, "stream": True, "ignore_eos": True}
+    victim = await http.post(url, json=body)
+    leaver = await http.post(url, json={**body, "max_tokens": 50_000}, headers={"X-Request-Id": "req-"})
+    twin = await http.post(url, json={**body, "max_tokens": 20}, headers={"X-Request-Id": "req-"})
+    await leaver.content.readline()
+    leaver.close()
+    text = (await victim.read()).decode()
+    assert '"finish_reason":"length"' in text and text.rstrip().endswith("data: [DONE]")
+    assert '"finish_reason":"length"' in (await twin.read()).decode()
 
 
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:

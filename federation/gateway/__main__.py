@@ -12,6 +12,7 @@ from federation import runtime, tokens
 from federation.gateway.app import GatewayConfig, build_app
 
 log = structlog.get_logger("gateway")
+SHUTDOWN_GRACE_S = 5.0  # open streams get this long at shutdown (fedctl waits 10 s)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -27,7 +28,7 @@ async def serve(args: argparse.Namespace) -> int:
     tokens.count("warm up")  # load the tokenizer before the first request pays for it
     app = build_app(GatewayConfig(args.scheduler, args.model))
     # Cancel a handler when its client disconnects, so the site's work is aborted too.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     try:
         await web.TCPSite(runner, args.host, args.port, backlog=4096, reuse_address=True).start()

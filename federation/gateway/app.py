@@ -57,6 +57,10 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             raise
         body = {"error": {"message": exc.reason, "type": "invalid_request_error", "param": None, "code": None}}
         return _json(body, exc.status)
+    except Exception:  # a bug of ours: the client still gets JSON, the log gets the trace
+        log.exception("request.internal_error", path=request.path)
+        error = FederationError("Internal error in the gateway; the request was not completed.")
+        return _json(error.body(), error.status)
 
 
 def _request_id(request: web.Request) -> str:
@@ -175,7 +179,7 @@ async def health(request: web.Request) -> web.Response:
         state = await request.app[UPSTREAM_KEY].state()
     except FederationError as exc:
         return _json({"status": "unavailable", "reason": exc.message}, 503)
-    ready = [s.name for s in state.sites if s.status is wire.SiteStatus.READY]
+    ready = [s.name for s in state.sites if s.status is wire.SiteStatus.READY and s.healthy_workers > 0]
     return _json({"status": "ok" if ready else "no_ready_site", "ready_sites": ready}, 200 if ready else 503)
 
 

@@ -48,6 +48,19 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_token(v: Any) -> bool:
+    return _is_int(v) and 0 <= v < tokens.VOCAB_SIZE
+
+
+def _count(text: str, context_tokens: int, param: str) -> int:
+    try:
+        return tokens.count(text)
+    except tokens.PromptTooLong as exc:
+        raise BadRequest(
+            f"The input is longer than the model's context of {context_tokens} tokens: {exc}.", param=param
+        ) from None
+
+
 def _check_model(body: dict[str, Any], served: str) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -138,7 +151,10 @@ def chat_job(body: dict[str, Any], *, request_id: str, served_model: str, contex
             )
         content = m.get("content")
         if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if not all(isinstance(t, str) for t in texts):
+                raise BadRequest(f"messages[{i}].content: every text part needs a string `text`", param="messages")
+            content = "".join(texts)
         if content is not None and not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", param="messages")
         rendered.append({"role": m["role"], "content": content or ""})
@@ -146,7 +162,7 @@ def chat_job(body: dict[str, Any], *, request_id: str, served_model: str, contex
     if effort not in ("low", "medium", "high"):
         raise BadRequest("`reasoning_effort` must be low, medium or high", param="reasoning_effort")
     text = tokens.render_harmony(rendered, reasoning_effort=effort, today=date.today().isoformat())
-    prompt_tokens = tokens.count(text)
+    prompt_tokens = _count(text, context_tokens, "messages")
     sampling = _sampling(body)
     asked, budget = _max_tokens(body, prompt_tokens, context_tokens, "max_completion_tokens", "max_tokens")
     stream, include_usage = _stream_flags(body)
@@ -160,8 +176,8 @@ def completion_job(body: dict[str, Any], *, request_id: str, served_model: str, 
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        text, ids, prompt_tokens = prompt, (), tokens.count(prompt)
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) and 0 <= t < tokens.VOCAB_SIZE for t in prompt):
+        text, ids, prompt_tokens = prompt, (), _count(prompt, context_tokens, "prompt")
+    elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
         text, ids, prompt_tokens = "", tuple(prompt), len(prompt)
     else:
         raise BadRequest("`prompt` must be one non-empty string or one list of token ids", param="prompt")
@@ -177,11 +193,13 @@ def generate_job(body: dict[str, Any], *, request_id: str, served_model: str, co
     """SGLang's native /generate, passed through: the worker validates sampling_params itself."""
     text, input_ids = body.get("text"), body.get("input_ids")
     if isinstance(text, str) and text:
-        prompt_tokens, ids = tokens.count(text), ()
-    elif isinstance(input_ids, list) and input_ids and all(_is_int(t) for t in input_ids):
+        prompt_tokens, ids = _count(text, context_tokens, "text"), ()
+    elif isinstance(input_ids, list) and input_ids and all(_is_token(t) for t in input_ids):
         prompt_tokens, ids, text = len(input_ids), tuple(input_ids), ""
     else:
-        raise BadRequest("Either text (a string) or input_ids (a list of ints) should be provided.")
+        raise BadRequest(
+            f"Either text (a string) or input_ids (a list of token ids in [0, {tokens.VOCAB_SIZE})) should be provided."
+        )
     sampling = body.get("sampling_params") or {}
     if not isinstance(sampling, dict):
         raise BadRequest("`sampling_params` must be an object", param="sampling_params")
@@ -190,6 +208,8 @@ def generate_job(body: dict[str, Any], *, request_id: str, served_model: str, co
             f"The input ({prompt_tokens} tokens) is longer than the model's context length ({context_tokens} tokens)."
         )
     max_new = sampling.get("max_new_tokens")
+    if max_new is not None and not (_is_int(max_new) and 0 <= max_new < context_tokens):
+        raise BadRequest(f"max_new_tokens must be an integer in [0, {context_tokens}), got {max_new!r}")
     stream = body.get("stream") is True
     request = wire.GenerateRequest(request_id, prompt_tokens, sampling, text, ids)
     return Job("generate", request, max_new if _is_int(max_new) and max_new > 0 else 0, stream, False, served_model)

@@ -6,6 +6,7 @@ the federation's errors here, so the HTTP layer sees one error tree.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -14,6 +15,10 @@ from federation import wire
 from federation.errors import BadRequest, NoCapacity, UpstreamFailed
 
 ROUTE_TIMEOUT_S = 2.0  # a decision takes milliseconds; a scheduler that needs longer is sick
+# The agent bounds its own waits on the worker (30 min to the first token, 60 s between
+# events); these are a little longer, so the agent's clearer error arrives first.
+FIRST_CHUNK_TIMEOUT_S = 1900.0
+BETWEEN_CHUNKS_TIMEOUT_S = 90.0
 STATE_TIMEOUT_S = 2.0
 
 
@@ -57,10 +62,20 @@ class Upstream:
         return self._agents[address][1]
 
     async def generate(self, address: str, req: wire.GenerateRequest) -> AsyncIterator[wire.GenerateChunk]:
-        """The site's chunks; cancelling the consumer cancels the call (and the worker's request)."""
+        """The site's chunks; closing this generator cancels the call (and the worker's request).
+        Every wait is bounded: a site that goes silent fails the request instead of hanging it."""
         call = self._agent(address).Generate(wire.generate_request_to_pb(req), metadata=_metadata(req.request_id))
+        limit_s = FIRST_CHUNK_TIMEOUT_S
         try:
-            async for pb in call:
+            while True:
+                try:
+                    async with asyncio.timeout(limit_s):
+                        pb = await call.read()
+                except TimeoutError:
+                    raise UpstreamFailed(f"site at {address} sent nothing for {limit_s:.0f} s") from None
+                if pb is grpc.aio.EOF:
+                    return
+                limit_s = BETWEEN_CHUNKS_TIMEOUT_S
                 yield wire.chunk_from_pb(pb)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:

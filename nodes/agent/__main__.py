@@ -26,6 +26,8 @@ from nodes.emulator.launch import EmulatorProcess, launch
 log = structlog.get_logger("agent")
 GRACE_S = 2.0
 WORKER_HTTP_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)  # answers may take minutes
+# SGLang's default stream repeats the whole answer in every event: a 100 k-token answer is ~1 MB a line.
+CUMULATIVE_EVENT_BYTES = 8 * 1024**2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,13 +68,14 @@ async def serve(args: argparse.Namespace) -> int:
                 str(args.speed),
                 "--served-model-name",
                 args.model,
+                "--incremental-streaming-output",  # deltas: no answer repeated in every event
             ],
             port=args.emulator_port,
         )
     urls = emulator.urls if emulator else args.worker_url
     try:
         async with aiohttp.ClientSession(
-            timeout=WORKER_HTTP_TIMEOUT, connector=aiohttp.TCPConnector(limit=0)
+            timeout=WORKER_HTTP_TIMEOUT, connector=aiohttp.TCPConnector(limit=0), read_bufsize=CUMULATIVE_EVENT_BYTES
         ) as session:
             return await _serve_site(args, urls, session)
     finally:
@@ -84,7 +87,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     pool = WorkerPool(urls, session)
     await pool.check_all()
     service = SiteAgentService(args.site, pool, session)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a busy port is an error
     wire.add_site_agent_to_server(service, server)
     address = f"{args.host}:{args.port}"
     try:
@@ -107,6 +110,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await server.stop(GRACE_S)
+    await service.close()
     return 0
 
 

@@ -31,6 +31,7 @@ class Worker:
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
     stats: WorkerStats | None = field(default=None)
+    incremental: bool | None = None  # streams deltas; None until /server_info was read
 
 
 class NoHealthyWorker(Exception):
@@ -57,18 +58,27 @@ class WorkerPool:
         await asyncio.gather(*(self._check(w) for w in self.workers))
 
     async def check_forever(self) -> None:
+        """One loop per worker, so a hung worker cannot slow the checks of the others."""
+        await asyncio.gather(*(self._watch(w) for w in self.workers))
+
+    async def _watch(self, worker: Worker) -> None:
         while True:
-            await self.check_all()
             await asyncio.sleep(HEALTH_INTERVAL_S)
+            try:
+                await self._check(worker)
+            except Exception:  # a bug in one check must not end health checking
+                log.exception("worker.check_failed", worker=worker.url)
 
     async def _check(self, worker: Worker) -> None:
+        if worker.incremental is None:
+            worker.incremental = await sglang.streams_incrementally(self.session, worker.url, HEALTH_TIMEOUT_S)
         ok, stats = await asyncio.gather(
             sglang.healthy(self.session, worker.url, HEALTH_TIMEOUT_S),
             sglang.scrape(self.session, worker.url, HEALTH_TIMEOUT_S),
         )
         if stats is not None:
             worker.stats = stats
-        if ok and stats is not None:
+        if ok and stats is not None and worker.incremental is not None:
             if not worker.healthy:
                 log.info("worker.healthy", worker=worker.url)
             worker.healthy, worker.failures = True, 0

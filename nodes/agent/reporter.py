@@ -32,7 +32,7 @@ class Reporter:
         self.make_report = make_report
 
     async def run(self, scheduler_address: str) -> None:
-        """Forever: stay registered with one scheduler and report to it."""
+        """Stay registered with one scheduler and report to it, until it removes the site."""
         attempt = 0
         async with grpc.aio.insecure_channel(scheduler_address) as channel:
             stub = wire.SchedulerStub(channel)
@@ -46,9 +46,11 @@ class Reporter:
                     call = stub.Report(self._reports(registered.report_interval_s))
                     async for msg in call:
                         command = wire.command_from_pb(msg)
-                        # The scheduler already stops routing to a draining site; the agent
-                        # keeps serving what it has, so a command is only worth a log line.
                         log.info("reporter.command", scheduler=scheduler_address, command=command.command.name.lower())
+                        if command.command is wire.Command.REMOVE:
+                            return  # removed by an operator: stay away until restarted
+                        # Drain needs nothing here: the scheduler stops routing to the site
+                        # and the agent finishes what it has.
                 except grpc.aio.AioRpcError as exc:
                     level = log.error if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else log.warning
                     level(

@@ -7,7 +7,9 @@ site produces ~140 k tokens/s, far more messages than gRPC could carry one by on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -22,6 +24,10 @@ from nodes.agent.pool import NoHealthyWorker, Worker, WorkerPool
 log = structlog.get_logger("agent")
 
 COALESCE_S = 0.05  # tokens produced within this window travel in one message
+# An Offline run can queue a request behind thousands at a site: its first token may take
+# many minutes. Once tokens flow, a worker silent for a minute is broken, not busy.
+FIRST_TOKEN_TIMEOUT_S = 1800.0
+BETWEEN_EVENTS_TIMEOUT_S = 60.0
 
 
 class _Ledger:
@@ -53,7 +59,7 @@ class SiteAgentService(wire.SiteAgentServicer):
         self.pool = pool
         self.session = session
         self.ledger = _Ledger()
-        self._in_flight: dict[str, Worker] = {}
+        self._in_flight: dict[str, tuple[Worker, str]] = {}  # request id -> (worker, worker rid)
         self._aborts: set[asyncio.Future[None]] = set()  # keep them alive until they finish
 
     async def Generate(self, request, context) -> AsyncIterator:
@@ -64,38 +70,61 @@ class SiteAgentService(wire.SiteAgentServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoHealthyWorker as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        # The worker's rid is ours, fixed-length and unique: SGLang aborts by rid *prefix*,
+        # so a client's id must never be able to name another client's request.
+        rid = "fed-" + uuid.uuid4().hex
         max_new = req.sampling_params.get("max_new_tokens")
         expected = expected_output_tokens(max_new if isinstance(max_new, int) else 0)
-        payload: dict = {"rid": req.request_id, "sampling_params": req.sampling_params}
+        payload: dict = {"rid": rid, "sampling_params": req.sampling_params}
         if req.input_ids:
             payload["input_ids"] = list(req.input_ids)
         else:
             payload["text"] = req.text
+        entry = (worker, rid)
         self.ledger.open(worker, expected)
-        self._in_flight[req.request_id] = worker
-        counted = 0
-        bound = log.bind(request_id=req.request_id, site=self.site, worker=worker.url)
+        self._in_flight[req.request_id] = entry
+        counted, worker_done = 0, False
+        bound = log.bind(request_id=req.request_id, rid=rid, site=self.site, worker=worker.url)
+        deltas = sglang.stream_generate(
+            self.session,
+            worker.url,
+            payload,
+            incremental=bool(worker.incremental),
+            first_token_timeout_s=FIRST_TOKEN_TIMEOUT_S,
+            between_events_timeout_s=BETWEEN_EVENTS_TIMEOUT_S,
+        )
         try:
-            async for chunk in self._coalesced(sglang.stream_generate(self.session, worker.url, payload), worker):
-                now_counted = min(chunk.completion_tokens, expected)
-                self.ledger.settle(worker, now_counted - counted)
-                counted = now_counted
-                yield wire.chunk_to_pb(chunk)
+            async with contextlib.aclosing(self._coalesced(deltas, worker)) as chunks:
+                async for chunk in chunks:
+                    now_counted = min(chunk.completion_tokens, expected)
+                    self.ledger.settle(worker, now_counted - counted)
+                    counted = now_counted
+                    worker_done = chunk.finish_reason is not None
+                    yield wire.chunk_to_pb(chunk)
         except sglang.WorkerRejected as exc:
+            worker_done = True
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except sglang.WorkerFailed as exc:
             self.pool.mark_failed(worker)
             bound.warning("generate.worker_failed", error=str(exc))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"site {self.site}: {exc}")
-        except asyncio.CancelledError:
-            bound.info("generate.cancelled")
-            task = asyncio.ensure_future(sglang.abort(self.session, worker.url, req.request_id))
-            self._aborts.add(task)
-            task.add_done_callback(self._aborts.discard)
-            raise
         finally:
-            self._in_flight.pop(req.request_id, None)
+            # Cancelled, closed mid-send (GeneratorExit) or failed: the worker must stop too.
+            if not worker_done:
+                bound.info("generate.aborting")
+                self._abort_soon(worker, rid)
+            if self._in_flight.get(req.request_id) is entry:
+                del self._in_flight[req.request_id]
             self.ledger.close(worker, expected - counted)
+
+    def _abort_soon(self, worker: Worker, rid: str) -> None:
+        task = asyncio.ensure_future(sglang.abort(self.session, worker.url, rid))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def close(self) -> None:
+        """Let the aborts already sent finish before the HTTP session closes."""
+        await asyncio.gather(*self._aborts, return_exceptions=True)
 
     async def _coalesced(
         self, deltas: AsyncIterator[sglang.Delta], worker: Worker

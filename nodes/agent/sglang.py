@@ -6,6 +6,7 @@ works in deltas, so this turns either form into "what is new since the last even
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -54,9 +55,16 @@ def _error_message(body: Any) -> str:
 
 
 async def stream_generate(
-    session: aiohttp.ClientSession, url: str, payload: dict[str, Any], *, incremental: bool = False
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: dict[str, Any],
+    *,
+    incremental: bool,
+    first_token_timeout_s: float,
+    between_events_timeout_s: float,
 ) -> AsyncIterator[Delta]:
-    """POST /generate with stream=true and yield what each event adds."""
+    """POST /generate with stream=true and yield what each event adds. Every wait is bounded:
+    a worker that goes silent is a failed worker, never a hung request."""
     sent_text, sent_ids = 0, 0
     try:
         async with session.post(url + "/generate", json={**payload, "stream": True}) as resp:
@@ -64,7 +72,16 @@ async def stream_generate(
                 raise WorkerFailed(f"{url} answered {resp.status}")
             if resp.status != 200:
                 raise WorkerRejected(_error_message(await resp.json(content_type=None)))
-            async for raw in resp.content:
+            lines = aiter(resp.content)
+            limit_s = first_token_timeout_s
+            while True:
+                try:
+                    async with asyncio.timeout(limit_s):
+                        raw = await anext(lines)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise WorkerFailed(f"{url} sent nothing for {limit_s:.0f} s") from None
                 if not raw.startswith(b"data: "):
                     continue
                 data = raw[len(b"data: ") :].strip()
@@ -76,6 +93,7 @@ async def stream_generate(
                     if isinstance(err, dict) and err.get("code", 400) < 500:
                         raise WorkerRejected(_error_message(event))
                     raise WorkerFailed(_error_message(event))
+                limit_s = between_events_timeout_s
                 meta = event["meta_info"]
                 text, ids = event["text"], event["output_ids"]
                 if incremental:
@@ -90,18 +108,36 @@ async def stream_generate(
                     meta.get("prompt_tokens", 0),
                     meta["finish_reason"],
                 )
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except (WorkerRejected, WorkerFailed):
+        raise
+    except Exception as exc:  # a reset, a malformed event, an oversized line: the worker's fault
         raise WorkerFailed(f"{url}: {type(exc).__name__}: {exc}") from exc
     raise WorkerFailed(f"{url} ended the stream without [DONE]")
+
+
+ABORT_TIMEOUT_S = 5.0
 
 
 async def abort(session: aiohttp.ClientSession, url: str, rid: str) -> None:
     """Best effort: the worker also aborts when our connection closes."""
     try:
-        async with session.post(url + "/abort_request", json={"rid": rid}) as resp:
+        timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
+        async with session.post(url + "/abort_request", json={"rid": rid}, timeout=timeout) as resp:
             await resp.read()
-    except (aiohttp.ClientError, TimeoutError):
+    except (aiohttp.ClientError, TimeoutError, RuntimeError):  # RuntimeError: session closed at shutdown
         pass
+
+
+async def streams_incrementally(session: aiohttp.ClientSession, url: str, timeout_s: float) -> bool | None:
+    """Whether the worker streams deltas (SGLang's --incremental-streaming-output), None if unknown."""
+    try:
+        async with session.get(url + "/server_info", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                return None
+            info = await resp.json()
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+    return bool(info.get("incremental_streaming_output", False))
 
 
 async def healthy(session: aiohttp.ClientSession, url: str, timeout_s: float) -> bool:

@@ -39,6 +39,13 @@ GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # /generate's default in SGLang
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
 
 
+def count_prompt(text: str) -> int:
+    try:
+        return tokens.count(text)
+    except tokens.PromptTooLong as exc:
+        raise RequestError(f"The input is longer than the model's context length: {exc}.") from None
+
+
 def _prompt_tokens(body: dict[str, Any]) -> int:
     text, input_ids = body.get("text"), body.get("input_ids")
     if text is None and input_ids is None:
@@ -46,7 +53,7 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
     if text is not None:
         if not isinstance(text, str):
             raise RequestError("The emulator serves one prompt per request; send `text` as a string.")
-        return tokens.count(text)
+        return count_prompt(text)
     if not isinstance(input_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in input_ids):
         raise RequestError("The emulator serves one prompt per request; send `input_ids` as a list of ints.")
     if not input_ids:

@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from federation import tokens
+from nodes.emulator.native_api import count_prompt
 from nodes.emulator.output import GenerateSpec
 from nodes.emulator.params import (
     BodyError,
@@ -145,7 +146,7 @@ def _chat_prompt_tokens(body: dict[str, Any]) -> int:
     if effort == "none":
         raise RequestError("Harmony does not support reasoning effort none")
     text = tokens.render_harmony(rendered, reasoning_effort=effort, today=date.today().isoformat())
-    return tokens.count(text)
+    return count_prompt(text)
 
 
 def _completion_prompt_tokens(body: dict[str, Any]) -> int:
@@ -159,7 +160,7 @@ def _completion_prompt_tokens(body: dict[str, Any]) -> int:
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("Prompt cannot be empty")
-        return tokens.count(prompt)
+        return count_prompt(prompt)
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not prompt:
             raise RequestError("Prompt cannot be empty")
