@@ -68,6 +68,7 @@ class SiteReport:
     gen_throughput_tok_s: float = 0.0
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
+    received_requests: int = 0
 
 
 @dataclass(frozen=True, slots=True)

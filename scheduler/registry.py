@@ -6,13 +6,17 @@ within a report period, so a restarted scheduler replica needs no storage.
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from federation.wire import RouteRequest, SiteRegistration, SiteReport, SiteState, SiteStatus
 from federation.work import expected_output_tokens
 from scheduler.capacity import current_capacity_tok_s, prior_capacity_tok_s
 from scheduler.policy import SiteLoad
+
+RECENT_ROUTES = 4096  # far more than can be in transit to one site within a report period
 
 
 class RegistrationRefused(ValueError):
@@ -35,6 +39,10 @@ class Site:
     outstanding_tokens: int = 0
     routed_requests: int = 0
     draining: bool = field(default=False)
+    # Routes the agent has not acknowledged yet (its received_requests lags): their expected
+    # tokens are added to what it reports, so a report older than a route cannot erase it.
+    routed_since_registration: int = 0
+    recent_route_tokens: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_ROUTES))
 
     @property
     def capacity_tok_s(self) -> float:
@@ -80,8 +88,10 @@ class Registry:
         site.report = report
         site.last_report_at = now
         site.connected = True
-        site.outstanding_requests = report.outstanding_requests
-        site.outstanding_tokens = report.outstanding_tokens
+        unacked = min(max(site.routed_since_registration - report.received_requests, 0), len(site.recent_route_tokens))
+        in_transit = sum(itertools.islice(reversed(site.recent_route_tokens), unacked))
+        site.outstanding_requests = report.outstanding_requests + unacked
+        site.outstanding_tokens = report.outstanding_tokens + in_transit
         site.status = self._live_status(site)
 
     def disconnected(self, name: str) -> None:
@@ -130,9 +140,12 @@ class Registry:
     def record_route(self, name: str, req: RouteRequest) -> None:
         """Count a decision until the site's next report says what it really holds."""
         site = self.get(name)
+        tokens = expected_output_tokens(req.max_tokens)
         site.routed_requests += 1
+        site.routed_since_registration += 1
+        site.recent_route_tokens.append(tokens)
         site.outstanding_requests += 1
-        site.outstanding_tokens += expected_output_tokens(req.max_tokens)
+        site.outstanding_tokens += tokens
 
     def states(self) -> tuple[SiteState, ...]:
         return tuple(self.state_of(s) for s in self.sites.values())

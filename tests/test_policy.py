@@ -64,3 +64,21 @@ def test_registry_refuses_another_model_and_tracks_states() -> None:
     reg.apply_report(SiteReport("us", healthy_workers=16, total_workers=16), now=12.0)
     reg.disconnected("us")
     assert reg.states()[0].status is SiteStatus.DOWN
+
+
+def test_a_report_older_than_a_route_does_not_erase_it() -> None:
+    """Routes the agent has not received yet stay counted until a report acknowledges them."""
+    reg = Registry("openai/gpt-oss-120b", heartbeat_timeout_s=1.0)
+    reg.register(SiteRegistration("us", "us-west-2", "mi355x", 16, "us:1", "openai/gpt-oss-120b"))
+    reg.apply_report(SiteReport("us", healthy_workers=16, total_workers=16), now=1.0)
+    reg.record_route("us", RouteRequest("a", prompt_tokens=10, max_tokens=300))
+    reg.record_route("us", RouteRequest("b", prompt_tokens=10, max_tokens=500))
+    reg.apply_report(
+        SiteReport("us", 16, 16, outstanding_requests=1, outstanding_tokens=290, received_requests=1), now=1.2
+    )
+    state = reg.states()[0]
+    assert (state.outstanding_requests, state.outstanding_tokens) == (2, 290 + 500)
+    reg.apply_report(
+        SiteReport("us", 16, 16, outstanding_requests=2, outstanding_tokens=700, received_requests=2), now=1.4
+    )
+    assert (reg.states()[0].outstanding_requests, reg.states()[0].outstanding_tokens) == (2, 700)

@@ -36,6 +36,7 @@ class _Ledger:
     def __init__(self) -> None:
         self.requests = 0
         self.tokens = 0
+        self.received = 0  # every Generate call, served or refused: the scheduler's acknowledgement
 
     def open(self, worker: Worker, tokens: int) -> None:
         self.requests += 1
@@ -175,4 +176,5 @@ class SiteAgentService(wire.SiteAgentServicer):
             gen_throughput_tok_s=sum(s.gen_throughput_tok_s for s in stats),
             outstanding_requests=self.ledger.requests,
             outstanding_tokens=self.ledger.tokens,
+            received_requests=self.ledger.received,
         )
