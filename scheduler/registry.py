@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from federation.wire import RouteRequest, SiteRegistration, SiteReport, SiteState, SiteStatus
 from federation.work import expected_output_tokens
-from scheduler.capacity import current_capacity_tok_s, prior_capacity_tok_s
+from scheduler.capacity import CapacityEstimator, prior_capacity_tok_s
 from scheduler.policy import SiteLoad
 
 RECENT_ROUTES = 4096  # far more than can be in transit to one site within a report period
@@ -31,6 +31,7 @@ class UnknownSite(KeyError):
 class Site:
     registration: SiteRegistration
     prior_capacity_tok_s: float
+    estimator: CapacityEstimator
     status: SiteStatus = SiteStatus.JOINING
     connected: bool = False  # a report stream is open
     last_report_at: float = 0.0
@@ -46,9 +47,10 @@ class Site:
 
     @property
     def capacity_tok_s(self) -> float:
+        """Measured (see scheduler.capacity), scaled by the workers healthy now."""
         if self.report is None:
-            return self.prior_capacity_tok_s
-        return current_capacity_tok_s(self.prior_capacity_tok_s, self.report.healthy_workers, self.report.total_workers)
+            return self.estimator.full_site_tok_s
+        return self.estimator.capacity_tok_s(self.report.healthy_workers, self.report.total_workers)
 
 
 class Registry:
@@ -71,7 +73,7 @@ class Registry:
         if reg.gpus < 1 or not reg.agent_address:
             raise RegistrationRefused("a site needs at least one GPU and an agent address")
         old = self.sites.get(reg.name)
-        site = Site(reg, prior)
+        site = Site(reg, prior, CapacityEstimator.from_prior(prior))
         if old is not None:  # an agent that restarted keeps its counters and admin state
             site.routed_requests, site.draining = old.routed_requests, old.draining
         self.sites[reg.name] = site
@@ -85,6 +87,8 @@ class Registry:
 
     def apply_report(self, report: SiteReport, now: float) -> None:
         site = self.get(report.site)
+        if site.last_report_at:
+            site.estimator.observe(report, now - site.last_report_at)
         site.report = report
         site.last_report_at = now
         site.connected = True
