@@ -18,6 +18,7 @@ import grpc
 from federation import runtime, wire
 from federation.config import Config, ConfigError, load
 from federation.processes import Child, StartFailed, free_port_block, start_python
+from scheduler.policy import POLICIES
 
 READY_WAIT_S = 60.0  # sites must report ready within this long after their agents start
 STATUS_TIMEOUT_S = 3.0
@@ -32,6 +33,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     up.add_argument("--config", type=Path, default=None, help="YAML: regions, RTTs, sites, ports")
     up.add_argument("--port", type=int, default=None, help="the gateway's port (default 8080)")
     up.add_argument("--speed", type=runtime.positive_float, default=None, help="emulated GPU speed (0.1 = 10x slower)")
+    up.add_argument(
+        "--policy", choices=sorted(POLICIES), default=None, help="routing policy (baselines for comparison)"
+    )
     status = sub.add_parser("status", help="list the sites")
     status.add_argument("--json", action="store_true")
     status.add_argument("--config", type=Path, default=None)
@@ -66,9 +70,8 @@ class Federation:
         c = self.config
         scheduler = f"{c.host}:{c.scheduler_port}"
         rtt_args = [f"--rtt-ms={a}:{b}={ms}" for (a, b), ms in c.rtt_ms.items() if a < b]
-        self._start(
-            "scheduler", "scheduler", ["--host", c.host, "--port", str(c.scheduler_port), "--model", c.model, *rtt_args]
-        )
+        scheduler_args = ["--host", c.host, "--port", str(c.scheduler_port), "--model", c.model, "--policy", c.policy]
+        self._start("scheduler", "scheduler", [*scheduler_args, *rtt_args])
         for site in c.sites:
             to_scheduler, advertise = scheduler, f"{c.host}:{site.agent_port}"
             rtt = c.rtt_between(site.region, c.scheduler_region)
@@ -153,7 +156,7 @@ def _interrupt(*_: object) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    config = load(args.config).with_overrides(port=args.port, speed=args.speed)
+    config = load(args.config).with_overrides(port=args.port, speed=args.speed, policy=args.policy)
     federation = Federation(config)
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops us like Ctrl-C, even mid start-up
     try:

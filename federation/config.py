@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from scheduler.policy import POLICIES
+
 CONFIG_ENV = "FEDERATION_CONFIG"  # a YAML file used when --config is not given
 
 DEFAULT_YAML = """\
@@ -54,17 +56,21 @@ class Config:
     gateway_region: str
     scheduler_port: int
     scheduler_region: str
+    policy: str = "least_expected_delay"
     rtt_ms: dict[tuple[str, str], float] = field(default_factory=dict)  # both orders present
     sites: tuple[SiteConfig, ...] = ()
 
     def rtt_between(self, a: str, b: str) -> float:
         return 0.0 if a == b else self.rtt_ms.get((a, b), 0.0)
 
-    def with_overrides(self, *, port: int | None = None, speed: float | None = None) -> Config:
+    def with_overrides(
+        self, *, port: int | None = None, speed: float | None = None, policy: str | None = None
+    ) -> Config:
         return replace(
             self,
             gateway_port=self.gateway_port if port is None else port,
             speed=self.speed if speed is None else speed,
+            policy=self.policy if policy is None else policy,
         )
 
 
@@ -93,6 +99,9 @@ def parse(text: str, source: str = "config") -> Config:
         if not isinstance(section, dict):
             raise ConfigError(f"{source}: `{name}` must be a mapping like {{port: 8080, region: us-west-2}}")
         _port(section.get("port", 1), f"{source}: {name}")
+    policy = scheduler.get("policy", "least_expected_delay")
+    if policy not in POLICIES:
+        raise ConfigError(f"{source}: scheduler.policy must be one of {', '.join(sorted(POLICIES))}")
     rtt: dict[tuple[str, str], float] = {}
     for i, link in enumerate(raw.get("links") or []):
         between = link.get("between") if isinstance(link, dict) else None
@@ -139,6 +148,7 @@ def parse(text: str, source: str = "config") -> Config:
         gateway_region=str(gateway.get("region", "")),
         scheduler_port=int(scheduler.get("port", 50051)),
         scheduler_region=str(scheduler.get("region", gateway.get("region", ""))),
+        policy=policy,
         rtt_ms=rtt,
         sites=tuple(sites),
     )

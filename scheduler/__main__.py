@@ -10,6 +10,7 @@ import grpc
 import structlog
 
 from federation import runtime, wire
+from scheduler.policy import POLICIES
 from scheduler.service import SchedulerService
 
 log = structlog.get_logger("scheduler")
@@ -31,6 +32,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--model", default="openai/gpt-oss-120b", help="the model every site must serve")
+    p.add_argument(
+        "--policy",
+        choices=sorted(POLICIES),
+        default="least_expected_delay",
+        help="routing policy; the others are baselines for benchmarks",
+    )
     p.add_argument("--rtt-ms", type=parse_rtt, action="append", default=[], help="REGION:REGION=MS, repeatable")
     return p.parse_args(argv)
 
@@ -39,7 +46,7 @@ async def serve(args: argparse.Namespace) -> int:
     rtt = {}
     for a, b, s in args.rtt_ms:
         rtt[(a, b)] = rtt[(b, a)] = s
-    service = SchedulerService(args.model, rtt)
+    service = SchedulerService(args.model, rtt, args.policy)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a busy port is an error
     wire.add_scheduler_to_server(service, server)
     address = f"{args.host}:{args.port}"

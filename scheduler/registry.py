@@ -136,6 +136,8 @@ class Registry:
                 s.registration.agent_address,
                 s.capacity_tok_s,
                 s.outstanding_tokens,
+                s.outstanding_requests,
+                s.prior_capacity_tok_s,
             )
             for s in self.sites.values()
             if s.status is SiteStatus.READY

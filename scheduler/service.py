@@ -13,7 +13,7 @@ import grpc
 import structlog
 
 from federation import wire
-from scheduler.policy import least_expected_delay
+from scheduler.policy import POLICIES, RouteContext
 from scheduler.registry import RegistrationRefused, Registry, UnknownSite
 
 log = structlog.get_logger("scheduler")
@@ -30,9 +30,13 @@ class _StreamRefused(Exception):
 
 
 class SchedulerService(wire.SchedulerServicer):
-    def __init__(self, model: str, rtt_s: Mapping[tuple[str, str], float]) -> None:
+    def __init__(
+        self, model: str, rtt_s: Mapping[tuple[str, str], float], policy: str = "least_expected_delay"
+    ) -> None:
         self.registry = Registry(model, HEARTBEAT_TIMEOUT_S)
         self.rtt_s = dict(rtt_s)
+        self.policy = POLICIES[policy]
+        self._decisions = 0
         self._commands: dict[str, asyncio.Queue[wire.SchedulerCommand]] = {}
 
     async def expire_forever(self) -> None:
@@ -105,7 +109,8 @@ class SchedulerService(wire.SchedulerServicer):
 
     async def Route(self, request, context):
         req = wire.route_request_from_pb(request)
-        decision = least_expected_delay(self.registry.routable(), req, self.rtt_s)
+        decision = self.policy(self.registry.routable(), req, RouteContext(self.rtt_s, self._decisions))
+        self._decisions += 1
         if decision is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no site is ready to serve")
         self.registry.record_route(decision.site, req)

@@ -33,6 +33,7 @@ def test_default_is_the_embedded_federation() -> None:
         ("sites: []", "at least one site"),
         ("links: [{between: [a], rtt_ms: 5}]", "must name two regions"),
         ("{{{", "not valid YAML"),
+        ("scheduler: {policy: fastest}", "scheduler.policy must be one of"),
     ],
 )
 def test_bad_configs_are_explained(text: str, fragment: str) -> None:

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from federation.wire import RouteRequest, SiteRegistration, SiteReport, SiteStatus
-from scheduler.policy import SiteLoad, least_expected_delay
+from scheduler.policy import (
+    RouteContext,
+    SiteLoad,
+    least_expected_delay,
+    least_outstanding,
+    round_robin,
+    static_weights,
+)
 from scheduler.registry import RegistrationRefused, Registry
 
 KR = SiteLoad("kr", "ap-northeast-2", "kr:1", capacity_tok_s=50_000, outstanding_tokens=0)
 US = SiteLoad("us", "us-west-2", "us:1", capacity_tok_s=226_000, outstanding_tokens=0)
-RTT = {("ap-northeast-2", "us-west-2"): 0.13, ("us-west-2", "ap-northeast-2"): 0.13}
+RTT = RouteContext({("ap-northeast-2", "us-west-2"): 0.13, ("us-west-2", "ap-northeast-2"): 0.13}, turn=0)
 
 
 def _req(**kw) -> RouteRequest:
@@ -40,6 +47,21 @@ def test_excluded_and_empty() -> None:
     """Excluded sites are skipped; with none left there is no decision."""
     assert least_expected_delay([KR, US], _req(exclude_sites=("us",)), RTT).site == "kr"
     assert least_expected_delay([KR], _req(exclude_sites=("kr",)), RTT) is None
+
+
+def test_baselines_ignore_what_they_claim_to_ignore() -> None:
+    """Round robin alternates blind to capacity; least_outstanding counts requests, not capacity;
+    static_weights divides by the declared capacity even when the measured one differs."""
+    turns = [round_robin([KR, US], _req(), RouteContext({}, turn=t)).site for t in range(4)]
+    assert turns == ["kr", "us", "kr", "us"]
+    busy_kr = SiteLoad("kr", "ap-northeast-2", "kr:1", 50_000, 0, outstanding_requests=3)
+    busy_us = SiteLoad("us", "us-west-2", "us:1", 226_000, 0, outstanding_requests=4)
+    assert least_outstanding([busy_kr, busy_us], _req(), RTT).site == "kr"
+    # Declared as 16 x MI355X, measured at MI300X speed: only static_weights still trusts the label.
+    mislabelled = SiteLoad("us", "us-west-2", "us:1", 50_000, 100_000, prior_capacity_tok_s=226_000)
+    kr = SiteLoad("kr", "ap-northeast-2", "kr:1", 50_000, 50_000, prior_capacity_tok_s=50_000)
+    assert static_weights([kr, mislabelled], _req(max_tokens=500), RTT).site == "us"
+    assert least_expected_delay([kr, mislabelled], _req(max_tokens=500), RTT).site == "kr"
 
 
 def test_registry_refuses_another_model_and_tracks_states() -> None:
