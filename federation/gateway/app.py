@@ -86,7 +86,7 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
     )
     bound = log.bind(request_id=request_id, kind=job.kind, stream=job.stream)
     started = time.monotonic()
-    outcome, answer, ttft_ms = "error", Answer(job), None
+    outcome, answer, ttft_ms, error = "error", Answer(job), None, None
     chunks = None
     try:
         route = wire.RouteRequest(
@@ -111,6 +111,9 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
     except asyncio.CancelledError:
         outcome = "client_gone"
         raise
+    except FederationError as exc:
+        error = exc.message
+        raise
     finally:
         if chunks is not None:
             await chunks.aclose()  # cancels the site's Generate if it is still running
@@ -118,6 +121,7 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
             "request.done",
             site=answer.site,
             outcome=outcome,
+            error=error,
             ttft_ms=ttft_ms,
             output_tokens=answer.completion_tokens,
             prompt_tokens=job.request.prompt_tokens,

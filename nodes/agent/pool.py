@@ -72,13 +72,15 @@ class WorkerPool:
     async def _check(self, worker: Worker) -> None:
         if worker.incremental is None:
             worker.incremental = await sglang.streams_incrementally(self.session, worker.url, HEALTH_TIMEOUT_S)
-        ok, stats = await asyncio.gather(
-            sglang.healthy(self.session, worker.url, HEALTH_TIMEOUT_S),
+        health, stats = await asyncio.gather(
+            sglang.health(self.session, worker.url, HEALTH_TIMEOUT_S),
             sglang.scrape(self.session, worker.url, HEALTH_TIMEOUT_S),
         )
         if stats is not None:
             worker.stats = stats
-        if ok and stats is not None and worker.incremental is not None:
+        if health is sglang.Health.SLOW and stats is not None and stats.running_requests > 0:
+            return  # saturated, not sick: its metrics answer and it is generating
+        if health is sglang.Health.OK and stats is not None and worker.incremental is not None:
             if not worker.healthy:
                 log.info("worker.healthy", worker=worker.url)
             worker.healthy, worker.failures = True, 0

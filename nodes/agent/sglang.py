@@ -7,6 +7,7 @@ works in deltas, so this turns either form into "what is new since the last even
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -140,12 +141,20 @@ async def streams_incrementally(session: aiohttp.ClientSession, url: str, timeou
     return bool(info.get("incremental_streaming_output", False))
 
 
-async def healthy(session: aiohttp.ClientSession, url: str, timeout_s: float) -> bool:
+class Health(enum.Enum):
+    OK = "ok"
+    FAILING = "failing"  # answered non-200, refused, or reset
+    SLOW = "slow"  # no answer in time: SGLang's /health is a generation, queued like any under load
+
+
+async def health(session: aiohttp.ClientSession, url: str, timeout_s: float) -> Health:
     try:
         async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            return resp.status == 200
-    except (aiohttp.ClientError, TimeoutError):
-        return False
+            return Health.OK if resp.status == 200 else Health.FAILING
+    except TimeoutError:
+        return Health.SLOW
+    except aiohttp.ClientError:
+        return Health.FAILING
 
 
 async def scrape(session: aiohttp.ClientSession, url: str, timeout_s: float) -> WorkerStats | None:
