@@ -106,7 +106,7 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
             response = _json(answer.body(time.monotonic() - started), headers=headers)
         else:
             response = await _relay(request, answer, first, chunks, started, headers)
-        outcome = "ok"
+        outcome, error = ("error", answer.error) if answer.error else ("ok", None)
         return response
     except asyncio.CancelledError:
         outcome = "client_gone"
@@ -148,6 +148,7 @@ async def _relay(
             await send(answer.chunk_events(chunk, time.monotonic() - started))
         await send(answer.closing_events())
     except FederationError as exc:
+        answer.error = exc.message
         await send([exc.body()])
     await response.write(b"data: [DONE]\n\n")
     return response

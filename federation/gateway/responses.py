@@ -37,6 +37,7 @@ class Answer:
         self.completion_tokens = 0
         self.finish: dict[str, Any] | None = None
         self.site = ""
+        self.error: str | None = None  # why a stream ended early, after its first byte
 
     def add(self, chunk: wire.GenerateChunk) -> None:
         self.text_parts.append(chunk.text)
