@@ -14,6 +14,15 @@ import uvloop
 
 from federation import logs
 
+# gRPC servers: a busy port is an error (gRPC shares it by default, mixing two federations),
+# and a burst of new calls is queued, not cancelled: grpc-core cancels calls beyond 1,000
+# waiting for the application (3,000 hard), and a gateway opens a stream per request.
+GRPC_SERVER_OPTIONS = (
+    ("grpc.so_reuseport", 0),
+    ("grpc.server.max_pending_requests", 50_000),
+    ("grpc.server.max_pending_requests_hard_limit", 100_000),
+)
+
 
 def run(serve: Callable[[argparse.Namespace], Awaitable[int]], args: argparse.Namespace) -> int:
     """Configure logging, then run `serve(args)` on uvloop; its result is the exit code."""

@@ -47,7 +47,7 @@ async def serve(args: argparse.Namespace) -> int:
     for a, b, s in args.rtt_ms:
         rtt[(a, b)] = rtt[(b, a)] = s
     service = SchedulerService(args.model, rtt, args.policy)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a busy port is an error
+    server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
     wire.add_scheduler_to_server(service, server)
     address = f"{args.host}:{args.port}"
     try:

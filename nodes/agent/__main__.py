@@ -87,7 +87,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     pool = WorkerPool(urls, session)
     await pool.check_all()
     service = SiteAgentService(args.site, pool, session)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a busy port is an error
+    server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
     wire.add_site_agent_to_server(service, server)
     address = f"{args.host}:{args.port}"
     try:
