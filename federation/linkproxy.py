@@ -64,7 +64,8 @@ class Link:
 
 def _reset(writer: asyncio.StreamWriter) -> None:
     """Close with RST, as a partition or a crashed peer looks to the other end."""
-    with contextlib.suppress(OSError):  # the socket may be gone already
+    # The socket may be gone already (uvloop then reports a negative file descriptor).
+    with contextlib.suppress(OSError, ValueError):
         sock = writer.transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
