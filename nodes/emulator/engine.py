@@ -203,8 +203,11 @@ class Engine:
         return self._emitted + len(self.running) * steps - self._join_sum
 
     def kv_used_tokens(self) -> int:
-        steps = self.steps_at(self._loop.time())
-        return self._len_base_sum + len(self.running) * steps - self._join_sum + self._prefill_kv
+        return self._running_context(self.steps_at(self._loop.time())) + self._prefill_kv
+
+    def _running_context(self, steps: int) -> int:
+        """ΣL over running sequences after `steps` global steps (each adds one token to each)."""
+        return self._len_base_sum + len(self.running) * steps - self._join_sum
 
     # ---- the clock --------------------------------------------------------------
 
@@ -258,7 +261,7 @@ class Engine:
         if batch == 0 and not self.prefilling:
             return None
         prefill = self._next_prefill_chunk()
-        context = self._len_base_sum + batch * self.steps - self._join_sum
+        context = self._running_context(self.steps)
         scale = self.slowdown / (1000.0 * self.speed)
         free = self.kv_capacity_tokens - (context + self._prefill_kv)
         if batch and free < batch + prefill:
@@ -285,8 +288,7 @@ class Engine:
                 return
             reserve = int(min(seq.max_new_tokens - seq.generated, CLIP_MAX_NEW_TOKENS) * self._new_token_ratio)
             need = seq.prompt_tokens + seq.generated + reserve
-            in_use = self._len_base_sum + len(self.running) * self.steps - self._join_sum
-            if in_use + self._prefill_kv + self._reserved + need > self.kv_capacity_tokens:
+            if self._running_context(self.steps) + self._prefill_kv + self._reserved + need > self.kv_capacity_tokens:
                 if self.running or self.prefilling:
                     return
                 # An idle GPU takes the request anyway; retraction handles the rest.

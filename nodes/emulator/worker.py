@@ -61,8 +61,6 @@ class Generation:
         return self.seq.done.done()
 
     def tokens_now(self) -> int:
-        if self.seq.abort_message is not None:
-            return self.seq.aborted_tokens
         return self.worker.engine.generated_tokens(self.seq)
 
     def text_and_ids(self, k: int) -> tuple[str, list[int]]:
