@@ -198,16 +198,8 @@ def chunk_to_pb(c: GenerateChunk) -> pb.GenerateChunk:
     )
 
 
-def site_ref_to_pb(site: str) -> pb.SiteRef:
-    return pb.SiteRef(site=site)
-
-
 def state_request_to_pb(interval_s: float = 0.0) -> pb.StateRequest:
     return pb.StateRequest(interval_s=interval_s)
-
-
-def abort_request_to_pb(request_id: str) -> pb.AbortRequest:
-    return pb.AbortRequest(request_id=request_id)
 
 
 def abort_reply_to_pb(found: bool) -> pb.AbortReply:
@@ -273,7 +265,3 @@ def state_request_from_pb(m: pb.StateRequest) -> float:
 
 def abort_request_from_pb(m: pb.AbortRequest) -> str:
     return m.request_id
-
-
-def abort_reply_from_pb(m: pb.AbortReply) -> bool:
-    return m.found

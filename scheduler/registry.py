@@ -33,7 +33,6 @@ class Site:
     prior_capacity_tok_s: float
     estimator: CapacityEstimator
     status: SiteStatus = SiteStatus.JOINING
-    connected: bool = False  # a report stream is open
     last_report_at: float = 0.0
     report: SiteReport | None = None
     outstanding_requests: int = 0
@@ -91,7 +90,6 @@ class Registry:
             site.estimator.observe(report, now - site.last_report_at)
         site.report = report
         site.last_report_at = now
-        site.connected = True
         unacked = min(max(site.routed_since_registration - report.received_requests, 0), len(site.recent_route_tokens))
         in_transit = sum(itertools.islice(reversed(site.recent_route_tokens), unacked))
         site.outstanding_requests = report.outstanding_requests + unacked
@@ -102,7 +100,6 @@ class Registry:
         """The report stream broke: route around the site at once."""
         site = self.sites.get(name)
         if site is not None:
-            site.connected = False
             site.status = SiteStatus.DOWN
 
     def expire(self, now: float) -> list[str]:

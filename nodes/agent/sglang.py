@@ -129,14 +129,23 @@ async def abort(session: aiohttp.ClientSession, url: str, rid: str) -> None:
         pass
 
 
+async def _get_ok(session: aiohttp.ClientSession, url: str, timeout_s: float) -> bytes | None:
+    """The body of a 200 answer, or None for any other answer, a timeout or a broken connection."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            return await resp.read() if resp.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
 async def streams_incrementally(session: aiohttp.ClientSession, url: str, timeout_s: float) -> bool | None:
     """Whether the worker streams deltas (SGLang's --incremental-streaming-output), None if unknown."""
+    body = await _get_ok(session, url + "/server_info", timeout_s)
     try:
-        async with session.get(url + "/server_info", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            if resp.status != 200:
-                return None
-            info = await resp.json()
-    except (aiohttp.ClientError, TimeoutError, ValueError):
+        info = json.loads(body) if body is not None else None
+    except ValueError:
+        return None
+    if not isinstance(info, dict):
         return None
     return bool(info.get("incremental_streaming_output", False))
 
@@ -159,15 +168,11 @@ async def health(session: aiohttp.ClientSession, url: str, timeout_s: float) -> 
 
 async def scrape(session: aiohttp.ClientSession, url: str, timeout_s: float) -> WorkerStats | None:
     """The worker's load gauges, or None when /metrics cannot be read."""
-    try:
-        async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            if resp.status != 200:
-                return None
-            text = await resp.text()
-    except (aiohttp.ClientError, TimeoutError):
+    body = await _get_ok(session, url + "/metrics", timeout_s)
+    if body is None:
         return None
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(body.decode()):
         if family.type == "gauge":
             values[family.name] = sum(s.value for s in family.samples)
     return WorkerStats(
