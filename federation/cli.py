@@ -181,7 +181,22 @@ def cmd_up(args: argparse.Namespace) -> int:
         federation.down()
 
 
-SITE_COLUMNS = ("name", "region", "gpu", "gpus", "state", "capacity_tok_s", "outstanding_requests", "routed_requests")
+SITE_COLUMNS = (
+    "name",
+    "region",
+    "gpu",
+    "gpus",
+    "state",
+    "capacity_tok_s",
+    "capacity_evidence",
+    "prior_capacity_tok_s",
+    "healthy_workers",
+    "total_workers",
+    "slots",
+    "outstanding_requests",
+    "queued_requests",
+    "routed_requests",
+)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -200,7 +215,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             "gpus": s.gpus,
             "state": s.status.label,
             "capacity_tok_s": round(s.capacity_tok_s, 1),
+            "capacity_evidence": s.capacity_evidence,
+            "prior_capacity_tok_s": round(s.prior_capacity_tok_s, 1),
+            "healthy_workers": s.healthy_workers,
+            "total_workers": s.total_workers,
+            "slots": s.slots,
             "outstanding_requests": s.outstanding_requests,
+            "queued_requests": s.queued_requests,
             "routed_requests": s.routed_requests,
         }
         for s in state.sites

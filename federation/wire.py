@@ -69,6 +69,8 @@ class SiteReport:
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
     received_requests: int = 0
+    slots: int = 0
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +111,10 @@ class SiteState:
     healthy_workers: int
     total_workers: int
     last_report_age_s: float
+    prior_capacity_tok_s: float = 0.0
+    capacity_evidence: str = ""
+    queued_requests: int = 0
+    slots: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,7 @@ class Registered(_message.Message):
     def __init__(self, site: _Optional[str] = ..., prior_capacity_tok_s: _Optional[float] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
 
 class SiteReport(_message.Message):
-    __slots__ = ("site", "healthy_workers", "total_workers", "running_requests", "queued_requests", "kv_usage", "gen_throughput_tok_s", "outstanding_requests", "outstanding_tokens", "received_requests")
+    __slots__ = ("site", "healthy_workers", "total_workers", "running_requests", "queued_requests", "kv_usage", "gen_throughput_tok_s", "outstanding_requests", "outstanding_tokens", "received_requests", "slots", "context_tokens")
     SITE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_WORKERS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,8 @@ class SiteReport(_message.Message):
     OUTSTANDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     OUTSTANDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     site: str
     healthy_workers: int
     total_workers: int
@@ -79,7 +81,9 @@ class SiteReport(_message.Message):
     outstanding_requests: int
     outstanding_tokens: int
     received_requests: int
-    def __init__(self, site: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., received_requests: _Optional[int] = ...) -> None: ...
+    slots: int
+    context_tokens: int
+    def __init__(self, site: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., received_requests: _Optional[int] = ..., slots: _Optional[int] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
 class SchedulerCommand(_message.Message):
     __slots__ = ("command", "reason")
@@ -122,7 +126,7 @@ class StateRequest(_message.Message):
     def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
 
 class SiteState(_message.Message):
-    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "status", "capacity_tok_s", "outstanding_requests", "outstanding_tokens", "routed_requests", "healthy_workers", "total_workers", "last_report_age_s")
+    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "status", "capacity_tok_s", "outstanding_requests", "outstanding_tokens", "routed_requests", "healthy_workers", "total_workers", "last_report_age_s", "prior_capacity_tok_s", "capacity_evidence", "queued_requests", "slots")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +140,10 @@ class SiteState(_message.Message):
     HEALTHY_WORKERS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     LAST_REPORT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_CAPACITY_TOK_S_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     region: str
     gpu: str
@@ -149,7 +157,11 @@ class SiteState(_message.Message):
     healthy_workers: int
     total_workers: int
     last_report_age_s: float
-    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., status: _Optional[_Union[SiteStatus, str]] = ..., capacity_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., last_report_age_s: _Optional[float] = ...) -> None: ...
+    prior_capacity_tok_s: float
+    capacity_evidence: str
+    queued_requests: int
+    slots: int
+    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., status: _Optional[_Union[SiteStatus, str]] = ..., capacity_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., prior_capacity_tok_s: _Optional[float] = ..., capacity_evidence: _Optional[str] = ..., queued_requests: _Optional[int] = ..., slots: _Optional[int] = ...) -> None: ...
 
 class FederationState(_message.Message):
     __slots__ = ("sites", "model")

@@ -1,11 +1,18 @@
 """What a site can deliver, in output tokens/s: a prior to start from, then what it proves.
 
-The GPU profile × GPU count is only where the estimate starts. A site whose workers have
-requests waiting is saturated, and a saturated site delivers exactly its capacity, so the
-estimate moves toward the delivered rate. A site with room to spare only shows a lower
-bound: the estimate rises when it delivers more than believed and never falls for lack of
-work. The estimate is kept per healthy worker, so a site that loses workers loses that
-share at once, while a slow site loses share as fast as it proves it is slow.
+The GPU profile × GPU count is only where the estimate starts. Two kinds of evidence then
+move it, every report:
+
+- A site whose requests wait for a slot is saturated, and a saturated site delivers
+  exactly its capacity: the estimate moves toward the delivered rate.
+- A site with room to spare still shows how fast it runs the batch it has. Its workers'
+  decode step at that batch (running requests over tokens/s) against the step the GPU
+  profile predicts for the same batch and context says how much faster or slower the
+  site is than declared; the declared capacity scaled by that ratio is the estimate. So a
+  site declared MI355X that runs like an MI300X loses its share before it ever queues.
+
+The estimate is kept per healthy worker, so a site that loses workers loses that share
+at once, while a slow site loses share as fast as it proves it is slow.
 """
 
 from __future__ import annotations
@@ -14,16 +21,23 @@ import math
 from dataclasses import dataclass
 
 from federation.wire import SiteReport
+from nodes.emulator.profiles import PROFILES, GpuProfile
 
 # Output tokens/s per GPU in MLPerf Inference 6.1 gpt-oss-120b Server runs (REFERENCE.md §3).
 PRIOR_TOK_S_PER_GPU: dict[str, float] = {"mi300x": 3108.0, "mi355x": 14155.0}
-# How fast a saturated site's delivered rate replaces the estimate: ~95 % after three time
-# constants (15 s), inside the 30 s a mis-declared site may keep a wrong share.
+# How fast evidence replaces the estimate: ~95 % after three time constants (15 s), inside
+# the 30 s a mis-declared site may keep a wrong share.
 TIME_CONSTANT_S = 5.0
 MAX_STEP_S = 2.0  # a long gap between reports must not count as a long observation
-# SGLang's gen_throughput averages over recent seconds: only once a site has been saturated
-# for that long does the rate it shows reflect saturation rather than the idle time before.
+# SGLang's gen_throughput averages over recent seconds: only once a site has been busy for
+# that long does the rate it shows belong to the batch it runs rather than the time before.
 SETTLE_S = 5.0
+# The batch is averaged over about the same recent window as gen_throughput (a 5 s boxcar
+# lags by 2.5 s on average), so the two describe the same seconds.
+BATCH_TIME_CONSTANT_S = 2.5
+# Below this many requests per worker the step is mostly fixed cost and launch jitter: too
+# little to scale a whole site's capacity from.
+MIN_BATCH_PER_WORKER = 8.0
 
 
 def prior_capacity_tok_s(gpu: str, gpus: int) -> float:
@@ -31,25 +45,63 @@ def prior_capacity_tok_s(gpu: str, gpus: int) -> float:
     return PRIOR_TOK_S_PER_GPU[gpu] * gpus
 
 
+def decode_speed_ratio(profile: GpuProfile, batch: float, context_tokens: float, tok_s: float) -> float:
+    """How many times faster than `profile` a GPU is that makes `tok_s` output tokens/s while
+    decoding `batch` requests holding `context_tokens` of KV (all per GPU)."""
+    measured_step_ms = 1000.0 * batch / tok_s
+    return profile.step_ms(round(batch), round(context_tokens), 0) / measured_step_ms
+
+
 @dataclass(slots=True)
 class CapacityEstimator:
     prior_tok_s: float
     full_site_tok_s: float  # the estimate with every worker healthy
+    profile: GpuProfile | None = None  # the declared GPU's step model: the shape batch evidence is read with
     saturated_for_s: float = 0.0
+    busy_for_s: float = 0.0
+    batch_per_worker: float = 0.0  # recent average
+    context_per_worker: float = 0.0
+    evidence: str = "prior"  # what the estimate last moved on: prior, probe, batch, saturated, delivered
 
     @classmethod
-    def from_prior(cls, prior_tok_s: float) -> CapacityEstimator:
-        return cls(prior_tok_s, prior_tok_s)
+    def for_site(cls, gpu: str, gpus: int) -> CapacityEstimator:
+        prior = prior_capacity_tok_s(gpu, gpus)
+        return cls(prior, prior, PROFILES.get(gpu))
+
+    def calibrate(self, batch_per_worker: float, context_per_worker: float, tok_s_per_worker: float) -> None:
+        """A probe's result, when the site joins: the estimate starts from it instead of the prior."""
+        if self.profile is None or batch_per_worker <= 0 or tok_s_per_worker <= 0:
+            return
+        ratio = decode_speed_ratio(self.profile, batch_per_worker, context_per_worker, tok_s_per_worker)
+        self.full_site_tok_s = self.prior_tok_s * ratio
+        self.evidence = "probe"
 
     def observe(self, report: SiteReport, dt_s: float) -> None:
         """Learn from one report covering `dt_s` seconds."""
-        if report.healthy_workers <= 0 or report.total_workers <= 0 or dt_s <= 0:
+        healthy, total = report.healthy_workers, report.total_workers
+        if healthy <= 0 or total <= 0 or dt_s <= 0:
             return
-        full_site = report.gen_throughput_tok_s * report.total_workers / report.healthy_workers
+        per_worker_tok_s = report.gen_throughput_tok_s / healthy
+        delivered_full_site = per_worker_tok_s * total
+        follow = 1.0 - math.exp(-min(dt_s, BATCH_TIME_CONSTANT_S) / BATCH_TIME_CONSTANT_S)
+        self.batch_per_worker += follow * (report.running_requests / healthy - self.batch_per_worker)
+        self.context_per_worker += follow * (report.context_tokens / healthy - self.context_per_worker)
         self.saturated_for_s = self.saturated_for_s + dt_s if report.queued_requests > 0 else 0.0
-        if self.saturated_for_s >= SETTLE_S or full_site > self.full_site_tok_s:
-            weight = 1.0 - math.exp(-min(dt_s, MAX_STEP_S) / TIME_CONSTANT_S)
-            self.full_site_tok_s += weight * (full_site - self.full_site_tok_s)
+        busy = report.running_requests / healthy >= MIN_BATCH_PER_WORKER
+        self.busy_for_s = self.busy_for_s + dt_s if busy else 0.0
+
+        if self.saturated_for_s >= SETTLE_S:
+            seen, evidence = delivered_full_site, "saturated"
+        elif self.busy_for_s >= SETTLE_S and self.profile is not None and per_worker_tok_s > 0:
+            ratio = decode_speed_ratio(self.profile, self.batch_per_worker, self.context_per_worker, per_worker_tok_s)
+            seen, evidence = self.prior_tok_s * ratio, "batch"
+        elif delivered_full_site > self.full_site_tok_s:
+            seen, evidence = delivered_full_site, "delivered"  # more than believed is proof, busy or not
+        else:
+            return
+        weight = 1.0 - math.exp(-min(dt_s, MAX_STEP_S) / TIME_CONSTANT_S)
+        self.full_site_tok_s += weight * (seen - self.full_site_tok_s)
+        self.evidence = evidence
 
     def capacity_tok_s(self, healthy_workers: int, total_workers: int) -> float:
         """What the site delivers now: a site that lost 4 of 16 workers, three quarters."""

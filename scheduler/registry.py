@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from federation.wire import RouteRequest, SiteRegistration, SiteReport, SiteState, SiteStatus
 from federation.work import expected_output_tokens
-from scheduler.capacity import CapacityEstimator, prior_capacity_tok_s
+from scheduler.capacity import CapacityEstimator
 from scheduler.policy import SiteLoad
 
 RECENT_ROUTES = 4096  # far more than can be in transit to one site within a report period
@@ -66,13 +66,13 @@ class Registry:
                 f"site {reg.name!r} serves {reg.model!r}, but this federation serves {self.model!r}"
             )
         try:
-            prior = prior_capacity_tok_s(reg.gpu, reg.gpus)
+            estimator = CapacityEstimator.for_site(reg.gpu, reg.gpus)
         except KeyError:
             raise RegistrationRefused(f"unknown GPU {reg.gpu!r}: use mi300x or mi355x") from None
         if reg.gpus < 1 or not reg.agent_address:
             raise RegistrationRefused("a site needs at least one GPU and an agent address")
         old = self.sites.get(reg.name)
-        site = Site(reg, prior, CapacityEstimator.from_prior(prior))
+        site = Site(reg, estimator.prior_tok_s, estimator)
         if old is not None:  # an agent that restarted keeps its counters and admin state
             site.routed_requests, site.draining = old.routed_requests, old.draining
         self.sites[reg.name] = site
@@ -174,4 +174,8 @@ class Registry:
             healthy_workers=s.report.healthy_workers if s.report else 0,
             total_workers=s.report.total_workers if s.report else 0,
             last_report_age_s=now - s.last_report_at if s.last_report_at else -1.0,
+            prior_capacity_tok_s=s.prior_capacity_tok_s,
+            capacity_evidence=s.estimator.evidence,
+            queued_requests=s.report.queued_requests if s.report else 0,
+            slots=s.report.slots if s.report else 0,
         )

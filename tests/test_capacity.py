@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from federation.wire import SiteReport
+from nodes.emulator.profiles import PROFILES
 from scheduler.capacity import CapacityEstimator, prior_capacity_tok_s
 
 REPORT_S = 0.25
@@ -17,7 +18,7 @@ def test_a_saturated_site_that_is_slower_than_declared_loses_share_within_30_s()
     """Declared 16 x MI355X, delivering like 16 x MI300X with requests waiting: within 30 s the
     estimate is within 5 % of what it delivers."""
     declared, real = prior_capacity_tok_s("mi355x", 16), prior_capacity_tok_s("mi300x", 16)
-    est = CapacityEstimator.from_prior(declared)
+    est = CapacityEstimator(declared, declared)
     _run(est, 30, healthy_workers=16, total_workers=16, queued_requests=40, gen_throughput_tok_s=real)
     assert abs(est.capacity_tok_s(16, 16) / real - 1) < 0.05
 
@@ -25,7 +26,7 @@ def test_a_saturated_site_that_is_slower_than_declared_loses_share_within_30_s()
 def test_idle_sites_keep_their_estimate_and_busy_ones_raise_it() -> None:
     """A site with room to spare delivering little proves nothing (the estimate stays); one that
     delivers more than believed raises it, saturated or not."""
-    est = CapacityEstimator.from_prior(100_000)
+    est = CapacityEstimator(100_000, 100_000)
     _run(est, 60, healthy_workers=16, total_workers=16, queued_requests=0, gen_throughput_tok_s=10_000)
     assert est.capacity_tok_s(16, 16) == 100_000
     _run(est, 30, healthy_workers=16, total_workers=16, queued_requests=0, gen_throughput_tok_s=150_000)
@@ -35,7 +36,7 @@ def test_idle_sites_keep_their_estimate_and_busy_ones_raise_it() -> None:
 def test_saturation_must_settle_before_it_lowers_the_estimate() -> None:
     """The first seconds of saturation show a throughput average still full of idle time: they
     must not drag the estimate down."""
-    est = CapacityEstimator.from_prior(100_000)
+    est = CapacityEstimator(100_000, 100_000)
     _run(est, 4, healthy_workers=16, total_workers=16, queued_requests=10, gen_throughput_tok_s=20_000)
     assert est.capacity_tok_s(16, 16) == 100_000
 
@@ -43,7 +44,61 @@ def test_saturation_must_settle_before_it_lowers_the_estimate() -> None:
 def test_lost_workers_lower_capacity_at_once() -> None:
     """A site with 12 of 16 workers healthy delivers three quarters of its capacity; what the
     12 deliver is read as the whole site's rate scaled up, so losing workers is not slowness."""
-    est = CapacityEstimator.from_prior(160_000)
+    est = CapacityEstimator(160_000, 160_000)
     assert est.capacity_tok_s(12, 16) == 120_000
     _run(est, 30, healthy_workers=12, total_workers=16, queued_requests=5, gen_throughput_tok_s=120_000)
     assert abs(est.capacity_tok_s(16, 16) / 160_000 - 1) < 0.01
+
+
+def _mi300x_at(batch: int, context_per_request: int) -> tuple[float, int]:
+    """What one MI300X delivers decoding `batch` requests: (tokens/s, KV tokens in use)."""
+    context = batch * context_per_request
+    return 1000.0 * batch / PROFILES["mi300x"].step_ms(batch, context, 0), context
+
+
+def test_a_site_slower_than_declared_loses_share_before_it_ever_queues() -> None:
+    """Declared 16 x MI355X, running 128 requests per GPU at MI300X speed with no queue: the
+    decode step at that batch gives it away, and within 30 s the estimate is near an MI300X
+    site's, not an MI355X's (~4.5 x more). Read through the MI355X's step shape (a smaller fixed
+    cost) the batch overstates it by ~25 %; the extra work that routes there makes it queue,
+    and saturation evidence then finishes the job (the test above)."""
+    est = CapacityEstimator.for_site("mi355x", 16)
+    tok_s, context = _mi300x_at(128, 1600)
+    _run(
+        est,
+        30,
+        healthy_workers=16,
+        total_workers=16,
+        running_requests=16 * 128,
+        context_tokens=16 * context,
+        gen_throughput_tok_s=16 * tok_s,
+    )
+    true_capacity = prior_capacity_tok_s("mi300x", 16)
+    assert abs(est.capacity_tok_s(16, 16) / true_capacity - 1) < 0.3
+    assert est.evidence == "batch"
+
+
+def test_a_site_as_fast_as_declared_keeps_its_prior_from_batch_evidence() -> None:
+    """An MI300X site running a part-full batch at MI300X speed is estimated near its prior:
+    batch evidence scales the declared capacity, it does not mistake light load for slowness."""
+    est = CapacityEstimator.for_site("mi300x", 16)
+    tok_s, context = _mi300x_at(100, 1600)
+    _run(
+        est,
+        30,
+        healthy_workers=16,
+        total_workers=16,
+        running_requests=16 * 100,
+        context_tokens=16 * context,
+        gen_throughput_tok_s=16 * tok_s,
+    )
+    assert abs(est.capacity_tok_s(16, 16) / est.prior_tok_s - 1) < 0.05
+
+
+def test_a_probe_sets_the_starting_point() -> None:
+    """The calibration probe's decode rate replaces the declared prior before any traffic."""
+    est = CapacityEstimator.for_site("mi355x", 16)
+    tok_s, context = _mi300x_at(32, 600)
+    est.calibrate(32, context, tok_s)
+    assert est.evidence == "probe"
+    assert est.capacity_tok_s(16, 16) < 0.4 * est.prior_tok_s

@@ -161,7 +161,7 @@ async def test_forty_requests_reach_both_sites(client: openai.AsyncOpenAI, feder
     assert {s["name"]: s["state"] for s in status["sites"]} == {"kr-mi300x": "ready", "us-mi355x": "ready"}
     routed = {s["name"]: s["routed_requests"] - before[s["name"]] for s in status["sites"]}
     assert routed == dict(sites)
-    assert set(status["sites"][0]) == {
+    assert set(status["sites"][0]) >= {  # the keys; more may be added
         "name",
         "region",
         "gpu",

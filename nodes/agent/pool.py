@@ -3,24 +3,34 @@
 Inside a site every worker is the same GPU, so the agent balances by the work each
 one still has to do (tokens it may yet produce), not by request count: one long
 answer weighs more than three short ones.
+
+A worker is given only a few requests more than it runs at once; the rest wait here, in
+one queue for the site, and go to whichever worker frees a slot first. A request parked
+in one worker's queue would wait for that worker even while another sits idle, and every
+parked request would hold a connection (a site at MLPerf load has ~20 k requests open).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 from dataclasses import dataclass, field
 
 import aiohttp
 import structlog
 
 from nodes.agent import sglang
-from nodes.agent.sglang import WorkerStats
+from nodes.agent.sglang import WorkerInfo, WorkerStats
 
 log = structlog.get_logger("agent.pool")
 
 HEALTH_INTERVAL_S = 1.0  # how often each worker is checked
 HEALTH_TIMEOUT_S = 5.0  # SGLang's /health runs a 1-token generation: slow under load, not dead
 FAILURES_TO_UNHEALTHY = 2  # one missed check is noise; two in a row is a sick worker
+# Requests a worker holds beyond its running limit: enough that a freed slot is refilled at
+# its next step, without waiting for the agent to hear of it and send another.
+HEADROOM_FRACTION = 0.02
+HEADROOM_MIN = 4
 
 
 @dataclass(slots=True)
@@ -31,7 +41,14 @@ class Worker:
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
     stats: WorkerStats | None = field(default=None)
-    incremental: bool | None = None  # streams deltas; None until /server_info was read
+    info: WorkerInfo | None = None  # None until /server_info was read
+
+    @property
+    def has_room(self) -> bool:
+        limit = self.info.max_running_requests if self.info else None
+        if limit is None:
+            return True
+        return self.outstanding_requests < limit + max(HEADROOM_MIN, round(limit * HEADROOM_FRACTION))
 
 
 class NoHealthyWorker(Exception):
@@ -42,17 +59,61 @@ class WorkerPool:
     def __init__(self, urls: list[str], session: aiohttp.ClientSession) -> None:
         self.workers = [Worker(url) for url in urls]
         self.session = session
+        self._waiters: collections.deque[asyncio.Future[Worker]] = collections.deque()
 
     @property
     def healthy_count(self) -> int:
         return sum(w.healthy for w in self.workers)
 
-    def pick(self) -> Worker:
-        """The healthy worker with the least work still to do."""
-        candidates = [w for w in self.workers if w.healthy]
-        if not candidates:
+    @property
+    def waiting(self) -> int:
+        """Requests queued at the agent for a free worker slot."""
+        return len(self._waiters)
+
+    @property
+    def slots(self) -> int:
+        """Requests the healthy workers run at once (0: they do not say)."""
+        return sum(w.info.max_running_requests or 0 for w in self.workers if w.healthy and w.info)
+
+    async def acquire(self) -> Worker:
+        """A healthy worker with room, reserved for one request; waits in FIFO order for a free slot."""
+        if not self.healthy_count:
             raise NoHealthyWorker("no healthy worker at this site")
+        worker = None if self._waiters else self._pick()
+        if worker is not None:
+            worker.outstanding_requests += 1
+            return worker
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release(waiter.result())  # handed a slot just as the caller left
+            else:
+                self._waiters.remove(waiter)
+            raise
+
+    def release(self, worker: Worker) -> None:
+        worker.outstanding_requests -= 1
+        self._dispatch()
+
+    def _pick(self) -> Worker | None:
+        """The healthy worker with room and the least work still to do."""
+        candidates = [w for w in self.workers if w.healthy and w.has_room]
+        if not candidates:
+            return None
         return min(candidates, key=lambda w: (w.outstanding_tokens, w.outstanding_requests))
+
+    def _dispatch(self) -> None:
+        while self._waiters:
+            worker = self._pick()
+            if worker is None:
+                return
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                worker.outstanding_requests += 1
+                waiter.set_result(worker)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(w) for w in self.workers))
@@ -70,8 +131,8 @@ class WorkerPool:
                 log.exception("worker.check_failed", worker=worker.url)
 
     async def _check(self, worker: Worker) -> None:
-        if worker.incremental is None:
-            worker.incremental = await sglang.streams_incrementally(self.session, worker.url, HEALTH_TIMEOUT_S)
+        if worker.info is None:
+            worker.info = await sglang.server_info(self.session, worker.url, HEALTH_TIMEOUT_S)
         health, stats = await asyncio.gather(
             sglang.health(self.session, worker.url, HEALTH_TIMEOUT_S),
             sglang.scrape(self.session, worker.url, HEALTH_TIMEOUT_S),
@@ -80,10 +141,11 @@ class WorkerPool:
             worker.stats = stats
         if health is sglang.Health.SLOW and stats is not None and stats.running_requests > 0:
             return  # saturated, not sick: its metrics answer and it is generating
-        if health is sglang.Health.OK and stats is not None and worker.incremental is not None:
+        if health is sglang.Health.OK and stats is not None and worker.info is not None:
             if not worker.healthy:
                 log.info("worker.healthy", worker=worker.url)
             worker.healthy, worker.failures = True, 0
+            self._dispatch()
             return
         worker.failures += 1
         if worker.healthy and worker.failures >= FAILURES_TO_UNHEALTHY:

@@ -40,7 +40,6 @@ class _Ledger:
 
     def open(self, worker: Worker, tokens: int) -> None:
         self.requests += 1
-        worker.outstanding_requests += 1
         self.tokens += tokens
         worker.outstanding_tokens += tokens
 
@@ -51,7 +50,6 @@ class _Ledger:
     def close(self, worker: Worker, tokens_left: int) -> None:
         self.settle(worker, tokens_left)
         self.requests -= 1
-        worker.outstanding_requests -= 1
 
 
 class SiteAgentService(wire.SiteAgentServicer):
@@ -64,13 +62,17 @@ class SiteAgentService(wire.SiteAgentServicer):
         self._aborts: set[asyncio.Future[None]] = set()  # keep them alive until they finish
 
     async def Generate(self, request, context) -> AsyncIterator:
+        self.ledger.received += 1
         try:
             req = wire.generate_request_from_pb(request)
-            worker = self.pool.pick()
+            async with asyncio.timeout(FIRST_TOKEN_TIMEOUT_S):
+                worker = await self.pool.acquire()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoHealthyWorker as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"site {self.site}: no worker slot in time")
         # The worker's rid is ours, fixed-length and unique: SGLang aborts by rid *prefix*,
         # so a client's id must never be able to name another client's request.
         rid = "fed-" + uuid.uuid4().hex
@@ -90,7 +92,7 @@ class SiteAgentService(wire.SiteAgentServicer):
             self.session,
             worker.url,
             payload,
-            incremental=bool(worker.incremental),
+            incremental=bool(worker.info and worker.info.incremental),
             first_token_timeout_s=FIRST_TOKEN_TIMEOUT_S,
             between_events_timeout_s=BETWEEN_EVENTS_TIMEOUT_S,
         )
@@ -117,6 +119,7 @@ class SiteAgentService(wire.SiteAgentServicer):
             if self._in_flight.get(req.request_id) is entry:
                 del self._in_flight[req.request_id]
             self.ledger.close(worker, expected - counted)
+            self.pool.release(worker)
 
     def _abort_soon(self, worker: Worker, rid: str) -> None:
         task = asyncio.ensure_future(sglang.abort(self.session, worker.url, rid))
@@ -171,10 +174,12 @@ class SiteAgentService(wire.SiteAgentServicer):
             healthy_workers=self.pool.healthy_count,
             total_workers=len(self.pool.workers),
             running_requests=sum(s.running_requests for s in stats),
-            queued_requests=sum(s.queued_requests for s in stats),
+            queued_requests=sum(s.queued_requests for s in stats) + self.pool.waiting,
             kv_usage=sum(s.token_usage for s in stats) / len(stats) if stats else 0.0,
             gen_throughput_tok_s=sum(s.gen_throughput_tok_s for s in stats),
             outstanding_requests=self.ledger.requests,
             outstanding_tokens=self.ledger.tokens,
             received_requests=self.ledger.received,
+            slots=self.pool.slots,
+            context_tokens=sum(s.used_tokens for s in stats),
         )

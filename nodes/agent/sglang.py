@@ -42,6 +42,15 @@ class WorkerStats:
     queued_requests: int
     token_usage: float
     gen_throughput_tok_s: float
+    used_tokens: int  # KV tokens held by the running requests: the context the GPU reads each step
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker's /server_info says once: how it streams and how many requests it runs at once."""
+
+    incremental: bool
+    max_running_requests: int | None  # None: the worker does not say; the agent then sets no limit
 
 
 def _error_message(body: Any) -> str:
@@ -138,8 +147,8 @@ async def _get_ok(session: aiohttp.ClientSession, url: str, timeout_s: float) ->
         return None
 
 
-async def streams_incrementally(session: aiohttp.ClientSession, url: str, timeout_s: float) -> bool | None:
-    """Whether the worker streams deltas (SGLang's --incremental-streaming-output), None if unknown."""
+async def server_info(session: aiohttp.ClientSession, url: str, timeout_s: float) -> WorkerInfo | None:
+    """The worker's streaming mode (SGLang's --incremental-streaming-output) and running limit, None if unknown."""
     body = await _get_ok(session, url + "/server_info", timeout_s)
     try:
         info = json.loads(body) if body is not None else None
@@ -147,7 +156,15 @@ async def streams_incrementally(session: aiohttp.ClientSession, url: str, timeou
         return None
     if not isinstance(info, dict):
         return None
-    return bool(info.get("incremental_streaming_output", False))
+    # SGLang's effective limit is per DP rank, in internal_states; the server argument may be unset.
+    states = info.get("internal_states")
+    effective = states[0].get("effective_max_running_requests_per_dp") if isinstance(states, list) and states else None
+    limit = effective if isinstance(effective, int) else info.get("max_running_requests")
+    dp = info.get("dp_size") if isinstance(info.get("dp_size"), int) else 1
+    return WorkerInfo(
+        incremental=bool(info.get("incremental_streaming_output", False)),
+        max_running_requests=limit * dp if isinstance(limit, int) and limit > 0 else None,
+    )
 
 
 class Health(enum.Enum):
@@ -180,4 +197,5 @@ async def scrape(session: aiohttp.ClientSession, url: str, timeout_s: float) -> 
         queued_requests=int(values.get("sglang:num_queue_reqs", 0)),
         token_usage=values.get("sglang:token_usage", 0.0),
         gen_throughput_tok_s=values.get("sglang:gen_throughput", 0.0),
+        used_tokens=int(values.get("sglang:num_used_tokens", 0)),
     )
