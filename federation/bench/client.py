@@ -1,0 +1,111 @@
+"""One benchmark request through an OpenAI-compatible endpoint, timed as MLPerf times it.
+
+The request is a streamed `/v1/completions` with the prompt as token ids, the sample's
+length as `max_tokens` and `ignore_eos`, and `include_usage`: the API our users call,
+which the federation's gateway, SGLang itself and the sglang-router all serve. TTFT is
+the first event carrying text; the token count is the usage the endpoint reports.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from federation.bench.workload import Sample
+
+SITE_HEADER = "X-Federation-Site"  # set by our gateway; peers leave it out
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    index: int
+    started: float  # time.monotonic()
+    first_token: float | None
+    finished: float
+    output_tokens: int
+    site: str
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """MLPerf's per-sample TPOT: (latency - TTFT) / (tokens - 1)."""
+        if self.first_token is None or self.output_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (self.output_tokens - 1)
+
+
+def session() -> aiohttp.ClientSession:
+    """One connection per open request, no total timeout (an Offline answer may wait minutes)."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=60))
+
+
+async def served_model(http: aiohttp.ClientSession, endpoint: str) -> str:
+    """The first model the endpoint lists (`endpoint` ends in /v1)."""
+    async with http.get(endpoint + "/models") as resp:
+        resp.raise_for_status()
+        return (await resp.json())["data"][0]["id"]
+
+
+def body(model: str, sample: Sample) -> bytes:
+    return orjson.dumps(
+        {
+            "model": model,
+            "prompt": list(sample.prompt),
+            "max_tokens": sample.output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+
+
+async def send(
+    http: aiohttp.ClientSession,
+    endpoint: str,
+    model: str,
+    sample: Sample,
+    on_first_token: Callable[[], None] | None = None,
+) -> Result:
+    """Never raises for the endpoint's failures: they come back as a Result with `error`.
+    `on_first_token` is called the moment the first text arrives (LoadGen's FirstTokenComplete)."""
+    started, first, tokens, site = time.monotonic(), None, 0, ""
+    try:
+        async with http.post(
+            endpoint + "/completions", data=body(model, sample), headers={"Content-Type": "application/json"}
+        ) as resp:
+            site = resp.headers.get(SITE_HEADER, "")
+            if resp.status != 200:
+                text = (await resp.text())[:300]
+                return Result(sample.index, started, None, time.monotonic(), 0, site, f"HTTP {resp.status}: {text}")
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = orjson.loads(line[len(b"data: ") :])
+                if "error" in event:
+                    error = event["error"]
+                    return Result(
+                        sample.index, started, first, time.monotonic(), tokens, site, f"stream error: {error}"
+                    )
+                if first is None and any(c.get("text") for c in event.get("choices", ())):
+                    first = time.monotonic()
+                    if on_first_token is not None:
+                        on_first_token()
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return Result(sample.index, started, first, time.monotonic(), tokens, site, f"{type(exc).__name__}: {exc}")
+    if tokens != sample.output_tokens:
+        return Result(
+            sample.index, started, first, time.monotonic(), tokens, site,
+            f"usage says {tokens} tokens, asked for {sample.output_tokens}",
+        )  # fmt: skip
+    return Result(sample.index, started, first, time.monotonic(), tokens, site)
