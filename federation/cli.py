@@ -2,6 +2,7 @@
 
 fedctl up [--config FILE] [--port 8080] [--speed X]   the embedded default, or FILE's
 fedctl status [--json] [--scheduler HOST:PORT]         the sites as the scheduler sees them
+fedctl bench [--scenario offline|server] [--json FILE]  throughput and latency (fedctl bench -h)
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ from pathlib import Path
 
 import grpc
 
-from federation import runtime, wire
-from federation.config import Config, ConfigError, load
-from federation.processes import Child, StartFailed, free_port_block, start_python
+from federation import runtime
+from federation.bench import run as bench
+from federation.config import ConfigError, load
+from federation.embedded import Federation, fetch_state
+from federation.processes import StartFailed
 from scheduler.policy import POLICIES
-
-READY_WAIT_S = 60.0  # sites must report ready within this long after their agents start
-STATUS_TIMEOUT_S = 3.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,115 +40,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     status.add_argument("--json", action="store_true")
     status.add_argument("--config", type=Path, default=None)
     status.add_argument("--scheduler", default=None, help="host:port (default: from the config)")
+    bench.add_arguments(sub.add_parser("bench", help="measure the federation, its sites alone and the peers"))
     return p.parse_args(argv)
-
-
-class Federation:
-    """The processes of one federation on this machine, started in dependency order."""
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.children: list[Child] = []
-
-    def _start(self, name: str, module: str, args: list[str]) -> Child:
-        child = start_python(name, module, args)
-        self.children.append(child)
-        return child
-
-    def _link(self, name: str, target_port: int, rtt_ms: float) -> str:
-        """A WAN link in user space; returns the address to dial instead of the target."""
-        host = self.config.host
-        port = free_port_block(1, host)
-        self._start(
-            name,
-            "federation.linkproxy",
-            ["--listen", f"{host}:{port}", "--target", f"{host}:{target_port}", "--rtt-ms", str(rtt_ms)],
-        )
-        return f"{host}:{port}"
-
-    def up(self) -> None:
-        c = self.config
-        scheduler = f"{c.host}:{c.scheduler_port}"
-        rtt_args = [f"--rtt-ms={a}:{b}={ms}" for (a, b), ms in c.rtt_ms.items() if a < b]
-        scheduler_args = ["--host", c.host, "--port", str(c.scheduler_port), "--model", c.model, "--policy", c.policy]
-        self._start("scheduler", "scheduler", [*scheduler_args, *rtt_args])
-        for site in c.sites:
-            to_scheduler, advertise = scheduler, f"{c.host}:{site.agent_port}"
-            rtt = c.rtt_between(site.region, c.scheduler_region)
-            if rtt:
-                to_scheduler = self._link(f"link {site.name}->scheduler", c.scheduler_port, rtt)
-            rtt = c.rtt_between(site.region, c.gateway_region)
-            if rtt:
-                advertise = self._link(f"link gateway->{site.name}", site.agent_port, rtt)
-            self._start(
-                f"agent {site.name}",
-                "nodes.agent",
-                [
-                    "--site",
-                    site.name,
-                    "--region",
-                    site.region,
-                    "--gpu",
-                    site.gpu,
-                    "--gpus",
-                    str(site.gpus),
-                    "--model",
-                    c.model,
-                    "--host",
-                    c.host,
-                    "--port",
-                    str(site.agent_port),
-                    "--advertise",
-                    advertise,
-                    "--scheduler",
-                    to_scheduler,
-                    "--emulate",
-                    "--speed",
-                    str(c.speed),
-                    *(["--emulator-port", str(site.worker_port)] if site.worker_port else []),
-                ],
-            )
-        self._start(
-            "gateway",
-            "federation.gateway",
-            [
-                "--host",
-                c.host,
-                "--port",
-                str(c.gateway_port),
-                "--scheduler",
-                scheduler,
-                "--model",
-                c.model,
-            ],
-        )
-        self._wait_sites_ready(scheduler)
-
-    def _wait_sites_ready(self, scheduler: str) -> None:
-        wanted = {s.name for s in self.config.sites}
-        deadline = time.monotonic() + READY_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                ready = {s.name for s in fetch_state(scheduler).sites if s.status is wire.SiteStatus.READY}
-            except grpc.RpcError:
-                ready = set()
-            if wanted <= ready:
-                return
-            dead = [c.name for c in self.children if not c.alive()]
-            if dead:
-                raise StartFailed(f"{', '.join(dead)} exited during start-up")
-            time.sleep(0.2)
-        raise StartFailed(f"sites not ready within {READY_WAIT_S:.0f} s: {sorted(wanted)}")
-
-    def down(self) -> None:
-        for child in reversed(self.children):
-            child.stop()
-
-
-def fetch_state(scheduler: str) -> wire.FederationState:
-    with grpc.insecure_channel(scheduler) as channel:
-        stub = wire.SchedulerStub(channel)
-        return wire.federation_state_from_pb(stub.GetState(wire.state_request_to_pb(), timeout=STATUS_TIMEOUT_S))
 
 
 def _interrupt(*_: object) -> None:
@@ -236,9 +129,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: every process the bench started stops too
+    try:
+        return bench.main(args)
+    except KeyboardInterrupt:
+        print("fedctl bench: interrupted", file=sys.stderr)
+        return 130
+    except StartFailed as exc:
+        print(f"fedctl bench: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.command == "bench":
+            return cmd_bench(args)
         return cmd_up(args) if args.command == "up" else cmd_status(args)
     except ConfigError as exc:
         print(f"fedctl: {exc}", file=sys.stderr)

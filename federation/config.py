@@ -57,6 +57,12 @@ class Config:
     scheduler_port: int
     scheduler_region: str
     policy: str = "least_expected_delay"
+    # How often emulated workers send a stream event (emulated ms). First token and finish are
+    # exact either way; benchmarks with ~20 k open streams raise it to keep the CPU out of it.
+    stream_chunk_ms: float = 100.0
+    # Gateway processes sharing the port (SO_REUSEPORT): each open request holds a socket,
+    # and one process has 20,000 file descriptors here; a federation at MLPerf load has more.
+    gateway_processes: int = 1
     rtt_ms: dict[tuple[str, str], float] = field(default_factory=dict)  # both orders present
     sites: tuple[SiteConfig, ...] = ()
 
@@ -64,13 +70,19 @@ class Config:
         return 0.0 if a == b else self.rtt_ms.get((a, b), 0.0)
 
     def with_overrides(
-        self, *, port: int | None = None, speed: float | None = None, policy: str | None = None
+        self,
+        *,
+        port: int | None = None,
+        speed: float | None = None,
+        policy: str | None = None,
+        stream_chunk_ms: float | None = None,
     ) -> Config:
         return replace(
             self,
             gateway_port=self.gateway_port if port is None else port,
             speed=self.speed if speed is None else speed,
             policy=self.policy if policy is None else policy,
+            stream_chunk_ms=self.stream_chunk_ms if stream_chunk_ms is None else stream_chunk_ms,
         )
 
 
@@ -135,11 +147,15 @@ def parse(text: str, source: str = "config") -> Config:
         sites.append(site)
     if not sites:
         raise ConfigError(f"{source}: at least one site is needed")
+    processes = _need(gateway, "processes", int, f"{source}: gateway") if "processes" in gateway else 1
+    if processes < 1:
+        raise ConfigError(f"{source}: gateway.processes must be >= 1")
     if len({s.name for s in sites}) != len(sites):
         raise ConfigError(f"{source}: site names must be unique")
-    speed = raw.get("speed", 1.0)
-    if isinstance(speed, bool) or not isinstance(speed, int | float) or speed <= 0:
-        raise ConfigError(f"{source}: speed must be a number > 0")
+    speed, chunk_ms = raw.get("speed", 1.0), raw.get("stream_chunk_ms", 100.0)
+    for key, value in (("speed", speed), ("stream_chunk_ms", chunk_ms)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ConfigError(f"{source}: {key} must be a number > 0")
     return Config(
         model=str(raw.get("model", "openai/gpt-oss-120b")),
         host=str(raw.get("host", "127.0.0.1")),
@@ -149,6 +165,8 @@ def parse(text: str, source: str = "config") -> Config:
         scheduler_port=int(scheduler.get("port", 50051)),
         scheduler_region=str(scheduler.get("region", gateway.get("region", ""))),
         policy=policy,
+        stream_chunk_ms=float(chunk_ms),
+        gateway_processes=processes,
         rtt_ms=rtt,
         sites=tuple(sites),
     )

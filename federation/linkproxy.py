@@ -15,6 +15,9 @@ Not emulated: bandwidth limits, loss and jitter; and connection setup is not del
 
 Example: `python -m federation.linkproxy --listen 127.0.0.1:7001 --target 127.0.0.1:30000 --rtt-ms 130`
 prints one JSON `ready` line on stdout when listening and stops cleanly on SIGTERM or SIGINT.
+Repeat `--listen`/`--target` to carry several links with the same RTT in one process (the n-th
+`--listen` leads to the n-th `--target`): a router that dials 16 workers across the WAN needs one
+proxy process, not 16.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import math
+import resource
 import socket
 import struct
 import sys
@@ -321,34 +325,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m federation.linkproxy",
         description="TCP proxy that delays each direction by rtt/2, like a WAN link between regions.",
     )
-    p.add_argument("--listen", type=_host_port, required=True, help="HOST:PORT to accept on (port 0: any)")
-    p.add_argument("--target", type=_host_port, required=True, help="HOST:PORT to forward to")
+    p.add_argument(
+        "--listen",
+        type=_host_port,
+        action="append",
+        required=True,
+        help="HOST:PORT to accept on (port 0: any); repeat for several links",
+    )
+    p.add_argument(
+        "--target", type=_host_port, action="append", required=True, help="HOST:PORT to forward to, one per --listen"
+    )
     p.add_argument("--rtt-ms", type=_rtt_ms, required=True, help="round-trip time to add, in ms")
     args = p.parse_args(argv)
-    if args.target[1] == 0:
+    if len(args.listen) != len(args.target):
+        p.error(f"give one --target per --listen (got {len(args.listen)} --listen, {len(args.target)} --target)")
+    if any(port == 0 for _, port in args.target):
         p.error("--target needs a port > 0")
     return args
 
 
+def raise_open_files_limit() -> None:
+    """Each carried connection holds two descriptors: one process carrying a router's ~9 k streams
+    to a site's workers needs ~18 k, past the 1,024 many machines allow by default."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 async def serve(args: argparse.Namespace) -> int:
     stop = runtime.stop_event()
-    (listen_host, listen_port), (target_host, target_port) = args.listen, args.target
-    proxy = LinkProxy(Link(listen_host, listen_port, target_host, target_port, args.rtt_ms))
-    try:
-        await proxy.start()
-    except OSError as exc:
-        log.error("link.bind_failed", listen=_join(listen_host, listen_port), error=str(exc))
-        return 1
-    runtime.announce_ready(
-        listen=_join(listen_host, proxy.port), target=_join(target_host, target_port), rtt_ms=args.rtt_ms
-    )
+    proxies = [
+        LinkProxy(Link(listen_host, listen_port, target_host, target_port, args.rtt_ms))
+        for (listen_host, listen_port), (target_host, target_port) in zip(args.listen, args.target, strict=True)
+    ]
+    started: list[LinkProxy] = []
+    for proxy in proxies:
+        try:
+            await proxy.start()
+        except OSError as exc:
+            log.error("link.bind_failed", listen=_join(proxy.link.listen_host, proxy.link.listen_port), error=str(exc))
+            await asyncio.gather(*(p.stop() for p in started))
+            return 1
+        started.append(proxy)
+    links = [
+        {"listen": _join(p.link.listen_host, p.port), "target": _join(p.link.target_host, p.link.target_port)}
+        for p in proxies
+    ]
+    # One link: the line it always had; several: all of them, in the order given.
+    runtime.announce_ready(**(links[0] if len(links) == 1 else {"links": links}), rtt_ms=args.rtt_ms)
     await stop.wait()
-    await proxy.stop()
+    await asyncio.gather(*(p.stop() for p in proxies))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    raise_open_files_limit()
     return runtime.run(serve, args)
 
 

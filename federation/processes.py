@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 60.0  # an agent waits for its 16 emulated workers; CI machines are slow
@@ -73,12 +73,19 @@ class Child:
 
 
 def start_python(
-    name: str, module: str, args: Sequence[str], *, wrapper: Sequence[str] = (), timeout_s: float = READY_TIMEOUT_S
+    name: str,
+    module: str,
+    args: Sequence[str],
+    *,
+    wrapper: Sequence[str] = (),
+    timeout_s: float = READY_TIMEOUT_S,
+    log: IO[str] | None = None,
 ) -> Child:
-    """Run `python -m MODULE ARGS` (optionally under `wrapper`) and wait for its ready line."""
+    """Run `python -m MODULE ARGS` (optionally under `wrapper`) and wait for its ready line.
+    Its log lines (stderr) go to `log`, or to ours."""
     cmd = [*wrapper, sys.executable, "-m", module, *args]
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
-    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     while (left := deadline - time.monotonic()) > 0:

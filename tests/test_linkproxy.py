@@ -276,6 +276,39 @@ async def test_cli_prints_ready_forwards_and_stops_on_sigterm(echo: EchoServer) 
             proc.wait()
 
 
+async def test_cli_carries_several_links_in_one_process(echo: EchoServer) -> None:
+    """Repeated --listen/--target pairs: one process, one ready line listing every link in order,
+    and the n-th listening port leads to the n-th target with the delay."""
+    other_ended: asyncio.Queue[BaseException | None] = asyncio.Queue()
+    other = await asyncio.get_running_loop().create_server(lambda: _Echo(other_ended), "127.0.0.1", 0)
+    targets = [EchoServer(echo.port, echo.ended), EchoServer(other.sockets[0].getsockname()[1], other_ended)]
+    proc = start_cli(
+        *("--listen", "127.0.0.1:0", "--target", f"127.0.0.1:{targets[0].port}"),
+        *("--listen", "127.0.0.1:0", "--target", f"127.0.0.1:{targets[1].port}"),
+        *("--rtt-ms", "40"),
+    )
+    try:
+        assert proc.stdout is not None
+        ready = json.loads(await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30))
+        assert ready["event"] == "ready" and ready["rtt_ms"] == 40.0
+        assert [f"127.0.0.1:{t.port}" for t in targets] == [link["target"] for link in ready["links"]]
+        for link, target in zip(ready["links"], targets, strict=True):
+            async with connect(int(link["listen"].rsplit(":", 1)[1])) as (reader, writer):
+                assert await round_trip((reader, writer)) >= 0.040
+                writer.write_eof()
+                assert b"" == await asyncio.wait_for(reader.read(), 5)
+            assert await asyncio.wait_for(target.ended.get(), 5) is None  # this target, not the other
+            assert all(t.ended.empty() for t in targets)
+        proc.send_signal(signal.SIGTERM)
+        assert 0 == await asyncio.to_thread(proc.wait, 15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        other.close()
+        await other.wait_closed()
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
@@ -283,6 +316,10 @@ async def test_cli_prints_ready_forwards_and_stops_on_sigterm(echo: EchoServer) 
         (["--listen", "127.0.0.1:0", "--target", "127.0.0.1:x", "--rtt-ms", "1"], "port must be a number"),
         (["--listen", "127.0.0.1:0", "--target", "127.0.0.1:0", "--rtt-ms", "1"], "needs a port > 0"),
         (["--listen", "127.0.0.1:0", "--target", "127.0.0.1:1", "--rtt-ms", "-5"], "must be a finite"),
+        (
+            ["--listen", "127.0.0.1:0", "--listen", "127.0.0.1:0", "--target", "127.0.0.1:1", "--rtt-ms", "1"],
+            "one --target per --listen",
+        ),
     ],
 )
 def test_bad_arguments_are_explained(args: list[str], fragment: str) -> None:

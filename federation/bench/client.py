@@ -1,6 +1,6 @@
 """One benchmark request through an OpenAI-compatible endpoint, timed as MLPerf times it.
 
-The request is a streamed `/v1/completions` with the prompt as token ids, the sample's
+The request is a streamed `/v1/completions` with the sample's text prompt, its
 length as `max_tokens` and `ignore_eos`, and `include_usage`: the API our users call,
 which the federation's gateway, SGLang itself and the sglang-router all serve. TTFT is
 the first event carrying text; the token count is the usage the endpoint reports.
@@ -52,14 +52,14 @@ async def served_model(http: aiohttp.ClientSession, endpoint: str) -> str:
     """The first model the endpoint lists (`endpoint` ends in /v1)."""
     async with http.get(endpoint + "/models") as resp:
         resp.raise_for_status()
-        return (await resp.json())["data"][0]["id"]
+        return (await resp.json(content_type=None))["data"][0]["id"]  # the sglang-router says text/plain
 
 
 def body(model: str, sample: Sample) -> bytes:
     return orjson.dumps(
         {
             "model": model,
-            "prompt": list(sample.prompt),
+            "prompt": sample.prompt,
             "max_tokens": sample.output_tokens,
             "ignore_eos": True,
             "stream": True,
@@ -74,10 +74,13 @@ async def send(
     model: str,
     sample: Sample,
     on_first_token: Callable[[], None] | None = None,
+    started: float | None = None,
 ) -> Result:
     """Never raises for the endpoint's failures: they come back as a Result with `error`.
-    `on_first_token` is called the moment the first text arrives (LoadGen's FirstTokenComplete)."""
-    started, first, tokens, site = time.monotonic(), None, 0, ""
+    `on_first_token` is called the moment the first text arrives (LoadGen's FirstTokenComplete).
+    `started` is when the request was due (a Poisson arrival): latencies count from there even
+    if the client could only send it later."""
+    started, first, tokens, site = started or time.monotonic(), None, 0, ""
     try:
         async with http.post(
             endpoint + "/completions", data=body(model, sample), headers={"Content-Type": "application/json"}

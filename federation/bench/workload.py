@@ -14,13 +14,11 @@ import math
 import random
 from dataclasses import dataclass
 
+from federation import tokens
+
 MLPERF_MEAN_OUTPUT_TOKENS = 1278
 MLPERF_MAX_OUTPUT_TOKENS = 10_240
 MEAN_PROMPT_TOKENS = 1000
-TOKEN_ID_RANGE = (1000, 100_000)  # ordinary o200k tokens: no special tokens in synthetic prompts
-# Prompts are windows at random offsets into one seeded pool of ids: 20 k prompts of ~1k
-# tokens in well under a second, each still different from the others.
-PROMPT_POOL_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,24 +39,34 @@ class LengthDistribution:
 
 @dataclass(frozen=True, slots=True)
 class Sample:
+    """Prompts are text, not token ids: the sglang-router (0.3.2) refuses id prompts on
+    /v1/completions, and every endpoint must be sent the same thing."""
+
     index: int
-    prompt: tuple[int, ...]  # token ids
+    prompt: str  # exactly `prompt_tokens` o200k tokens
+    prompt_tokens: int
     output_tokens: int
+
+
+MLPERF_LIKE_PROMPTS = LengthDistribution(MEAN_PROMPT_TOKENS, 0.5, 16, 8192)
+MLPERF_LIKE_OUTPUTS = LengthDistribution(MLPERF_MEAN_OUTPUT_TOKENS, 0.8)
 
 
 @dataclass(frozen=True, slots=True)
 class WorkloadSpec:
     requests: int
     seed: int = 0
-    prompt: LengthDistribution = LengthDistribution(MEAN_PROMPT_TOKENS, 0.5, 16, 8192)
-    output: LengthDistribution = LengthDistribution(MLPERF_MEAN_OUTPUT_TOKENS, 0.8)
+    prompt: LengthDistribution = MLPERF_LIKE_PROMPTS
+    output: LengthDistribution = MLPERF_LIKE_OUTPUTS
 
     def samples(self) -> list[Sample]:
+        """Each prompt is a window at a random offset of one long text of single-token words, so
+        its token count is exact and no two prompts share a prefix by accident."""
         rng = random.Random(self.seed)
-        pool = [rng.randrange(*TOKEN_ID_RANGE) for _ in range(PROMPT_POOL_TOKENS)]
+        synth = tokens.synthetic_text()
         out = []
         for i in range(self.requests):
-            n_prompt = min(self.prompt.draw(rng), PROMPT_POOL_TOKENS)
-            start = rng.randrange(PROMPT_POOL_TOKENS - n_prompt + 1)
-            out.append(Sample(i, tuple(pool[start : start + n_prompt]), self.output.draw(rng)))
+            n_prompt = self.prompt.draw(rng)
+            text, _ = synth.window(rng.randrange(synth.period), n_prompt)
+            out.append(Sample(i, text, n_prompt, self.output.draw(rng)))
         return out

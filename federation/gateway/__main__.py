@@ -21,6 +21,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--scheduler", required=True, help="host:port of a scheduler")
     p.add_argument("--model", default="openai/gpt-oss-120b")
+    p.add_argument("--reuse-port", action="store_true", help="share the port with other gateway processes")
     return p.parse_args(argv)
 
 
@@ -31,7 +32,9 @@ async def serve(args: argparse.Namespace) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     try:
-        await web.TCPSite(runner, args.host, args.port, backlog=4096, reuse_address=True).start()
+        await web.TCPSite(
+            runner, args.host, args.port, backlog=4096, reuse_address=True, reuse_port=args.reuse_port
+        ).start()
     except OSError as exc:
         log.error("gateway.bind_failed", host=args.host, port=args.port, error=str(exc))
         await runner.cleanup()

@@ -48,6 +48,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     workers.add_argument("--emulate", action="store_true", help="launch emulated workers, one per GPU")
     p.add_argument("--speed", type=float, default=1.0, help="emulated GPU speed (with --emulate)")
     p.add_argument("--emulator-port", type=int, default=None, help="first worker port (with --emulate)")
+    p.add_argument(
+        "--emulator-stream-chunk-ms",
+        type=float,
+        default=None,
+        help="emulated ms between stream events (with --emulate)",
+    )
     args = p.parse_args(argv)
     if args.gpus < 1:
         p.error("--gpus must be >= 1")
@@ -69,6 +75,7 @@ async def serve(args: argparse.Namespace) -> int:
                 "--served-model-name",
                 args.model,
                 "--incremental-streaming-output",  # deltas: no answer repeated in every event
+                *(["--stream-chunk-ms", str(args.emulator_stream_chunk_ms)] if args.emulator_stream_chunk_ms else []),
             ],
             port=args.emulator_port,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import IO
 
 from federation.processes import PROJECT_ROOT, Child, free_port_block, start_python
 
@@ -16,7 +17,12 @@ class EmulatorProcess(Child):
 
 
 def launch(
-    args: Sequence[str], *, host: str = "127.0.0.1", port: int | None = None, wrapper: Sequence[str] = ()
+    args: Sequence[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    wrapper: Sequence[str] = (),
+    log: IO[str] | None = None,
 ) -> EmulatorProcess:
     """Run `python -m nodes.emulator ARGS --host HOST --port PORT` (a free block unless given)
     and wait until it is ready."""

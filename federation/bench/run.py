@@ -1,0 +1,243 @@
+"""`fedctl bench`: the federation's throughput and latency, beside each site alone and the peers.
+
+One invocation measures, on the same seeded workload: the federation under `--policy`;
+with `--compare-standalone`, each site alone (its share of the samples, in proportion to
+its declared capacity, so every run lasts about as long); with `--compare`, our own
+baseline policies; with `--peers`, the real sglang-router over the same emulated workers,
+flat. Federation efficiency = federated tokens/s ÷ the sum of the standalone tokens/s.
+
+Against `--endpoint URL` it measures that endpoint only (tell it `--speed` if the GPUs
+behind it are emulated slower than real time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import IO, Any
+
+from federation import runtime
+from federation.bench import scenarios
+from federation.bench.workload import MLPERF_LIKE_OUTPUTS, MLPERF_LIKE_PROMPTS, Sample, WorkloadSpec
+from federation.config import Config, load
+from federation.embedded import running
+from scheduler.policy import POLICIES
+
+# 32 emulated GPUs, ~18 k open streams and every hop of the federation on two cores: a
+# quarter of real speed keeps the CPU out of the measurement (see docs/BENCHMARKS.md).
+BENCH_SPEED = 0.25
+# Emulated ms between a worker's stream events while benchmarking: ~18 k open streams at
+# SGLang's per-token pace would measure Python, not the scheduler. TTFT and the finish
+# time stay exact, so TTFT and TPOT are unaffected.
+BENCH_STREAM_CHUNK_MS = 1000.0
+DEFAULT_REQUESTS = 20_000
+BENCH_GATEWAY_PROCESSES = 2  # 24 k open requests need two processes' file descriptors
+SEARCH_STEPS = 5  # bisection steps of the Server rate search: the answer within ~3 %
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", choices=["offline", "server"], default="offline")
+    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, help="samples per run")
+    p.add_argument(
+        "--rate", type=runtime.positive_float, default=None, help="Server: arrivals/s (GPU time); omit to search"
+    )
+    p.add_argument("--policy", choices=sorted(POLICIES), default="least_expected_delay")
+    p.add_argument("--compare", default="", help="more of our policies to run, comma-separated (e.g. round_robin)")
+    p.add_argument(
+        "--peers", default="", help="sglang-router policies to run flat over the same workers, comma-separated"
+    )
+    p.add_argument("--compare-standalone", action="store_true", help="each site alone, then federation efficiency")
+    p.add_argument(
+        "--loadgen", choices=["offline", "server"], default=None, help="drive the endpoint with MLPerf LoadGen"
+    )
+    p.add_argument(
+        "--min-duration-s", type=runtime.positive_float, default=60.0, help="LoadGen min duration (GPU time)"
+    )
+    p.add_argument("--endpoint", default=None, help="measure this endpoint (…/v1) instead of starting the federation")
+    p.add_argument("--config", type=Path, default=None, help="the federation to start (default: the embedded one)")
+    p.add_argument(
+        "--speed", type=runtime.positive_float, default=None, help=f"emulated GPU speed (default {BENCH_SPEED})"
+    )
+    p.add_argument("--stream-chunk-ms", type=runtime.positive_float, default=BENCH_STREAM_CHUNK_MS)
+    p.add_argument("--max-in-flight", type=int, default=scenarios.MAX_IN_FLIGHT)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-mean", type=int, default=MLPERF_LIKE_OUTPUTS.mean)
+    p.add_argument("--output-sigma", type=float, default=MLPERF_LIKE_OUTPUTS.sigma, help="log-normal spread; 0: fixed")
+    p.add_argument("--prompt-mean", type=int, default=MLPERF_LIKE_PROMPTS.mean)
+    p.add_argument("--prompt-sigma", type=float, default=MLPERF_LIKE_PROMPTS.sigma)
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+
+
+def bench_config(args: argparse.Namespace) -> Config:
+    """The federation to start, slowed down as a whole: GPUs and WAN round trips alike, so that
+    a wall-clock second is `speed` GPU seconds everywhere."""
+    config = load(args.config).with_overrides(
+        speed=args.speed or BENCH_SPEED, policy=args.policy, stream_chunk_ms=args.stream_chunk_ms
+    )
+    return dataclasses.replace(
+        config,
+        rtt_ms={k: v / config.speed for k, v in config.rtt_ms.items()},
+        gateway_processes=max(config.gateway_processes, BENCH_GATEWAY_PROCESSES),
+    )
+
+
+def _workload(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(
+        args.requests,
+        args.seed,
+        dataclasses.replace(MLPERF_LIKE_PROMPTS, mean=args.prompt_mean, sigma=args.prompt_sigma),
+        dataclasses.replace(MLPERF_LIKE_OUTPUTS, mean=args.output_mean, sigma=args.output_sigma),
+    )
+
+
+def _measure(endpoint: str, samples: Sequence[Sample], args: argparse.Namespace, speed: float, label: str) -> dict:
+    """One run of the chosen scenario against `endpoint` (for Server without --rate: the search)."""
+    if args.scenario == "offline":
+        results = scenarios.run_plan(endpoint, scenarios.offline_plan(samples), args.max_in_flight, label)
+        return scenarios.summarize(results, scenario="offline", policy=label, speed=speed)
+    if args.rate is None:
+        return _search(endpoint, samples, args, speed, label)
+    return _server(endpoint, samples, args, speed, label, args.rate)
+
+
+def _server(endpoint: str, samples, args: argparse.Namespace, speed: float, label: str, rate: float) -> dict:
+    plan = scenarios.server_plan(samples, rate, speed=speed, seed=args.seed)
+    results = scenarios.run_plan(endpoint, plan, args.max_in_flight, f"{label} server {rate:.1f}/s")
+    return {**scenarios.summarize(results, scenario="server", policy=label, speed=speed), "rate": round(rate, 3)}
+
+
+def _search(endpoint: str, samples, args: argparse.Namespace, speed: float, label: str) -> dict[str, Any]:
+    """The highest Poisson rate meeting MLPerf's Server limits, by bisection below the Offline rate."""
+    offline_results = scenarios.run_plan(
+        endpoint, scenarios.offline_plan(samples), args.max_in_flight, f"{label} offline"
+    )
+    offline = scenarios.summarize(offline_results, scenario="offline", policy=label, speed=speed)
+    mean_output = sum(s.output_tokens for s in samples) / len(samples)
+    hi = offline["output_tokens_per_s"] / mean_output  # no Server run can beat Offline
+    lo, best, trials = 0.5 * hi, None, []
+    for _ in range(SEARCH_STEPS):
+        rate = (lo + hi) / 2
+        summary = _server(endpoint, samples, args, speed, label, rate)
+        ok = scenarios.meets_server_limits(summary)
+        trials.append(
+            {k: summary[k] for k in ("rate", "output_tokens_per_s", "ttft_p99_ms", "tpot_p99_ms")} | {"ok": ok}
+        )
+        if ok:
+            lo, best = rate, summary
+        else:
+            hi = rate
+    result = best or summary
+    return {
+        **result,
+        "search": trials,
+        "meets_limits": best is not None,
+        "offline_output_tokens_per_s": offline["output_tokens_per_s"],
+        "server_over_offline": round(result["output_tokens_per_s"] / offline["output_tokens_per_s"], 4),
+    }
+
+
+def _federation(config: Config) -> Callable[[IO[str]], AbstractContextManager[tuple[str, int]]]:
+    @contextlib.contextmanager
+    def start(log: IO[str]) -> Iterator[tuple[str, int]]:
+        with running(config, log) as endpoint:
+            yield endpoint, scenarios.MAX_IN_FLIGHT
+
+    return start
+
+
+def _router(config: Config, policy: str, stream_chunk_ms: float) -> Callable[[IO[str]], AbstractContextManager]:
+    @contextlib.contextmanager
+    def start(log: IO[str]) -> Iterator[tuple[str, int]]:
+        from federation.bench.peers import FlatRouter  # only when peers are asked for
+
+        with FlatRouter(config, policy, stream_chunk_ms=stream_chunk_ms, log=log) as router:
+            yield router.endpoint, router.max_open_streams
+
+    return start
+
+
+def _run_on(start, samples: Sequence[Sample], args: argparse.Namespace, speed: float, label: str) -> dict:
+    """Start an endpoint (its processes' logs in a file beside the JSON), measure it, stop it."""
+    log_dir = (args.json.parent if args.json else Path(".")) / "bench-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / (label.replace(" ", "-") + ".log")
+    with log_path.open("w") as log, start(log) as (endpoint, max_in_flight):
+        print(f"bench: {label} on {endpoint} (logs: {log_path})", file=sys.stderr, flush=True)
+        run_args = argparse.Namespace(**{**vars(args), "max_in_flight": min(args.max_in_flight, max_in_flight)})
+        summary = _measure(endpoint, samples, run_args, speed, label)
+    return {**summary, "max_in_flight": run_args.max_in_flight}
+
+
+def main(args: argparse.Namespace) -> int:
+    samples = _workload(args).samples()
+    if args.loadgen:
+        return _loadgen(args, samples)
+    if args.endpoint:
+        speed = args.speed or 1.0
+        report = _measure(args.endpoint.rstrip("/"), samples, args, speed, args.policy)
+        return _write(report, args.json)
+    config = bench_config(args)
+    report = _run_on(_federation(config), samples, args, config.speed, config.policy)
+    comparisons = {}
+    for policy in filter(None, args.compare.split(",")):
+        other = dataclasses.replace(config, policy=policy)
+        comparisons[policy] = _run_on(_federation(other), samples, args, config.speed, policy)
+    for policy in filter(None, args.peers.split(",")):
+        name = f"sglang-router {policy}"
+        start = _router(config, policy, args.stream_chunk_ms)
+        comparisons[name] = _run_on(start, samples, args, config.speed, name)
+    if comparisons:
+        report["comparisons"] = comparisons
+    if args.compare_standalone:
+        report["standalone"] = _standalone(config, samples, args)
+        report["federation_efficiency"] = round(report["output_tokens_per_s"] / sum(report["standalone"].values()), 4)
+        for other in comparisons.values():
+            other["federation_efficiency"] = round(other["output_tokens_per_s"] / sum(report["standalone"].values()), 4)
+    return _write(report, args.json)
+
+
+def _standalone(config: Config, samples: Sequence[Sample], args: argparse.Namespace) -> dict[str, float]:
+    """Each site alone with its declared share of the samples, so each run lasts about as long."""
+    from scheduler.capacity import prior_capacity_tok_s
+
+    priors = {s.name: prior_capacity_tok_s(s.gpu, s.gpus) for s in config.sites}
+    out = {}
+    for site in config.sites:
+        share = samples[: max(1, round(len(samples) * priors[site.name] / sum(priors.values())))]
+        alone = dataclasses.replace(config, sites=(site,))
+        summary = _run_on(_federation(alone), share, args, config.speed, f"{site.name} alone")
+        out[site.name] = summary["output_tokens_per_s"]
+    return out
+
+
+def _loadgen(args: argparse.Namespace, samples: list[Sample]) -> int:
+    from federation.bench.loadgen import run_loadgen
+
+    def go(endpoint: str, speed: float) -> dict:
+        rate = args.rate or 1.0
+        log_dir = (args.json.parent if args.json else Path(".")) / "loadgen-logs"
+        return run_loadgen(
+            endpoint, samples, scenario=args.loadgen, target_qps=rate, speed=speed,
+            min_duration_s=args.min_duration_s, log_dir=log_dir,
+        )  # fmt: skip
+
+    if args.endpoint:
+        return _write(go(args.endpoint.rstrip("/"), args.speed or 1.0), args.json)
+    config = bench_config(args)
+    with running(config) as endpoint:
+        return _write(go(endpoint, config.speed), args.json)
+
+
+def _write(report: dict[str, Any], path: Path | None) -> int:
+    text = json.dumps(report, indent=2)
+    print(text)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    return 0

@@ -1,0 +1,160 @@
+"""MLPerf's two scenarios against an endpoint, and what a run delivered.
+
+Offline sends every sample at once (up to the client's connection budget); Server sends
+them at Poisson arrival times. A run's numbers are MLPerf's: output tokens/s = tokens ÷
+time to the last completion; TPOT per sample = (latency − TTFT) ÷ (tokens − 1).
+
+Times are reported in GPU time: with the emulator slowed down (`--speed 0.25` runs every
+GPU 4× slower so that 32 of them fit on two cores) a wall-clock second is `speed` GPU
+seconds. Latencies are multiplied by `speed`, rates divided by it, so the numbers read as
+the real GPUs would deliver them; ratios (efficiency, shares) are the same either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import multiprocessing
+import random
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from federation.bench.client import Result, send, served_model, session
+from federation.bench.workload import Sample
+
+# Each open request holds a socket in the client and in a gateway process; a process has
+# 20,000 file descriptors here (a hard limit root cannot raise), so the client runs one
+# process per this many open requests (and the bench's federation two gateway processes).
+PER_PROCESS_IN_FLIGHT = 15_000
+# Enough open requests to keep all 20,480 running slots of the embedded default busy, with a
+# queue at every site: Offline means every GPU always has work.
+MAX_IN_FLIGHT = 24_000
+# MLPerf gpt-oss-120b Server limits, GPU time.
+TTFT_LIMIT_MS = 3000.0
+TPOT_LIMIT_MS = 80.0
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    sample: Sample
+    due: float | None  # time.monotonic() it arrives (Server); None: at once (Offline)
+
+
+def offline_plan(samples: Sequence[Sample]) -> list[Planned]:
+    """Every sample at once, longest answer first: with every sample known up front (MLPerf
+    Offline), a run must not end on one long answer that happened to be sent last and decodes
+    alone; MLPerf's Offline SUTs order their queries too."""
+    return [Planned(s, None) for s in sorted(samples, key=lambda s: s.output_tokens, reverse=True)]
+
+
+def server_plan(samples: Sequence[Sample], rate_per_s: float, *, speed: float, seed: int) -> list[Planned]:
+    """Poisson arrivals at `rate_per_s` (GPU time) starting a moment from now."""
+    rng = random.Random(seed)
+    due, plan = time.monotonic() + START_DELAY_S, []
+    for sample in samples:
+        due += rng.expovariate(rate_per_s * speed)
+        plan.append(Planned(sample, due))
+    return plan
+
+
+START_DELAY_S = 3.0  # lets every client process start before the first arrival
+
+
+def run_plan(endpoint: str, plan: Sequence[Planned], max_in_flight: int, label: str) -> list[Result]:
+    """Send the plan, at most `max_in_flight` open at once, from as many processes as the
+    file-descriptor limit asks for (each takes every k-th request, so order and arrivals hold)."""
+    parts = max(1, math.ceil(max_in_flight / PER_PROCESS_IN_FLIGHT))
+    if parts == 1:
+        return asyncio.run(_drive(endpoint, plan, max_in_flight, label, 0))
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(parts, mp_context=context) as pool:
+        futures = [
+            pool.submit(_drive_in_process, endpoint, plan[i::parts], math.ceil(max_in_flight / parts), label, i)
+            for i in range(parts)
+        ]
+        return [r for f in futures for r in f.result()]
+
+
+def _drive_in_process(endpoint: str, plan: Sequence[Planned], max_in_flight: int, label: str, part: int) -> list:
+    return asyncio.run(_drive(endpoint, plan, max_in_flight, label, part))
+
+
+async def _drive(endpoint: str, plan: Sequence[Planned], max_in_flight: int, label: str, part: int) -> list[Result]:
+    gate = asyncio.Semaphore(max_in_flight)
+    results: list[Result] = []
+    async with session() as http:
+        model = await served_model(http, endpoint)
+        with tqdm(total=len(plan), desc=f"{label} [{part}]", unit="req", position=part, mininterval=2.0) as bar:
+
+            async def one(p: Planned) -> None:
+                if p.due is not None:
+                    await asyncio.sleep(max(0.0, p.due - time.monotonic()))
+                async with gate:
+                    results.append(await send(http, endpoint, model, p.sample, started=p.due))
+                bar.update()
+
+            await asyncio.gather(*(one(p) for p in plan))
+    return results
+
+
+def _percentile_ms(values: list[float], q: float, speed: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return round(values[0] * 1000 * speed, 2)
+    return round(statistics.quantiles(values, n=1000, method="inclusive")[round(q * 1000) - 1] * 1000 * speed, 2)
+
+
+def summarize(results: Sequence[Result], *, scenario: str, policy: str, speed: float) -> dict[str, Any]:
+    """The issue's JSON keys for one run (GPU time; see the module docstring)."""
+    ok = [r for r in results if r.ok]
+    start = min((r.started for r in results), default=0.0)
+    end = max((r.finished for r in ok), default=start)
+    duration_s = (end - start) * speed
+    tokens = sum(r.output_tokens for r in ok)
+    ttfts = [r.first_token - r.started for r in ok if r.first_token is not None]
+    tpots = [t for r in ok if (t := r.tpot_s) is not None]
+    per_site: dict[str, dict[str, int]] = defaultdict(lambda: {"requests": 0, "output_tokens": 0})
+    for r in ok:
+        per_site[r.site or "unknown"]["requests"] += 1
+        per_site[r.site or "unknown"]["output_tokens"] += r.output_tokens
+    errors: dict[str, int] = defaultdict(int)
+    for r in results:
+        if r.error:
+            errors[r.error[:120]] += 1
+    return {
+        "scenario": scenario,
+        "policy": policy,
+        "requests": len(results),
+        "requests_ok": len(ok),
+        "requests_failed": len(results) - len(ok),
+        "output_tokens": tokens,
+        "duration_s": round(duration_s, 2),
+        "output_tokens_per_s": round(tokens / duration_s, 1) if duration_s > 0 else 0.0,
+        "ttft_p50_ms": _percentile_ms(ttfts, 0.5, speed),
+        "ttft_p99_ms": _percentile_ms(ttfts, 0.99, speed),
+        "tpot_p50_ms": _percentile_ms(tpots, 0.5, speed),
+        "tpot_p99_ms": _percentile_ms(tpots, 0.99, speed),
+        "per_site": dict(per_site),
+        "speed": speed,
+        "errors": dict(errors),
+    }
+
+
+def meets_server_limits(summary: dict[str, Any]) -> bool:
+    """MLPerf's gpt-oss-120b Server constraint, and no failed request."""
+    ttft, tpot = summary["ttft_p99_ms"], summary["tpot_p99_ms"]
+    return (
+        summary["requests_failed"] == 0
+        and ttft is not None
+        and tpot is not None
+        and ttft <= TTFT_LIMIT_MS
+        and tpot <= TPOT_LIMIT_MS
+    )

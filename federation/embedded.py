@@ -1,0 +1,132 @@
+"""The embedded federation's processes on this machine: started in order, stopped together.
+
+`fedctl up` serves with it until Ctrl-C; `fedctl bench` starts one per run (`running`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO
+
+import grpc
+
+from federation import wire
+from federation.config import Config
+from federation.processes import Child, StartFailed, free_port_block, start_python
+
+READY_WAIT_S = 60.0  # sites must report ready within this long after their agents start
+STATUS_TIMEOUT_S = 3.0
+
+
+class Federation:
+    """The processes of one federation on this machine, started in dependency order."""
+
+    def __init__(self, config: Config, log: IO[str] | None = None) -> None:
+        self.config = config
+        self.log = log  # where the processes' log lines go (default: our stderr)
+        self.children: list[Child] = []
+
+    def _start(self, name: str, module: str, args: list[str]) -> Child:
+        child = start_python(name, module, args, log=self.log)
+        self.children.append(child)
+        return child
+
+    def _link(self, name: str, target_port: int, rtt_ms: float) -> str:
+        """A WAN link in user space; returns the address to dial instead of the target."""
+        host = self.config.host
+        port = free_port_block(1, host)
+        self._start(
+            name,
+            "federation.linkproxy",
+            ["--listen", f"{host}:{port}", "--target", f"{host}:{target_port}", "--rtt-ms", str(rtt_ms)],
+        )
+        return f"{host}:{port}"
+
+    def up(self) -> None:
+        c = self.config
+        scheduler = f"{c.host}:{c.scheduler_port}"
+        rtt_args = [f"--rtt-ms={a}:{b}={ms}" for (a, b), ms in c.rtt_ms.items() if a < b]
+        scheduler_args = ["--host", c.host, "--port", str(c.scheduler_port), "--model", c.model, "--policy", c.policy]
+        self._start("scheduler", "scheduler", [*scheduler_args, *rtt_args])
+        for site in c.sites:
+            to_scheduler, advertise = scheduler, f"{c.host}:{site.agent_port}"
+            rtt = c.rtt_between(site.region, c.scheduler_region)
+            if rtt:
+                to_scheduler = self._link(f"link {site.name}->scheduler", c.scheduler_port, rtt)
+            rtt = c.rtt_between(site.region, c.gateway_region)
+            if rtt:
+                advertise = self._link(f"link gateway->{site.name}", site.agent_port, rtt)
+            self._start(
+                f"agent {site.name}",
+                "nodes.agent",
+                [
+                    "--site",
+                    site.name,
+                    "--region",
+                    site.region,
+                    "--gpu",
+                    site.gpu,
+                    "--gpus",
+                    str(site.gpus),
+                    "--model",
+                    c.model,
+                    "--host",
+                    c.host,
+                    "--port",
+                    str(site.agent_port),
+                    "--advertise",
+                    advertise,
+                    "--scheduler",
+                    to_scheduler,
+                    "--emulate",
+                    "--speed",
+                    str(c.speed),
+                    "--emulator-stream-chunk-ms",
+                    str(c.stream_chunk_ms),
+                    *(["--emulator-port", str(site.worker_port)] if site.worker_port else []),
+                ],
+            )
+        gateway_args = ["--host", c.host, "--port", str(c.gateway_port), "--scheduler", scheduler, "--model", c.model]
+        shared = ["--reuse-port"] if c.gateway_processes > 1 else []
+        for i in range(c.gateway_processes):
+            self._start(f"gateway {i}" if shared else "gateway", "federation.gateway", [*gateway_args, *shared])
+        self._wait_sites_ready(scheduler)
+
+    def _wait_sites_ready(self, scheduler: str) -> None:
+        wanted = {s.name for s in self.config.sites}
+        deadline = time.monotonic() + READY_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                ready = {s.name for s in fetch_state(scheduler).sites if s.status is wire.SiteStatus.READY}
+            except grpc.RpcError:
+                ready = set()
+            if wanted <= ready:
+                return
+            dead = [c.name for c in self.children if not c.alive()]
+            if dead:
+                raise StartFailed(f"{', '.join(dead)} exited during start-up")
+            time.sleep(0.2)
+        raise StartFailed(f"sites not ready within {READY_WAIT_S:.0f} s: {sorted(wanted)}")
+
+    def down(self) -> None:
+        for child in reversed(self.children):
+            child.stop()
+
+
+def fetch_state(scheduler: str) -> wire.FederationState:
+    with grpc.insecure_channel(scheduler) as channel:
+        stub = wire.SchedulerStub(channel)
+        return wire.federation_state_from_pb(stub.GetState(wire.state_request_to_pb(), timeout=STATUS_TIMEOUT_S))
+
+
+@contextmanager
+def running(config: Config, log: IO[str] | None = None) -> Iterator[str]:
+    """A started federation's endpoint (…/v1); every process stops when the block ends."""
+    federation = Federation(config, log)
+    try:
+        federation.up()
+        yield f"http://{config.host}:{config.gateway_port}/v1"
+    finally:
+        federation.down()
