@@ -14,9 +14,14 @@ def configure(level: str = "info") -> None:
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer = structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
+    if sys.stderr.isatty():
+        tail = [structlog.dev.ConsoleRenderer()]
+    else:  # a traceback (log.exception) becomes a structured field, not a lost `exc_info: true`
+        # No local variables: they would copy prompts into the logs.
+        tracebacks = structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+        tail = [structlog.processors.ExceptionRenderer(tracebacks), structlog.processors.JSONRenderer()]
     structlog.configure(
-        processors=[*processors, renderer],
+        processors=[*processors, *tail],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,

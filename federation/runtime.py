@@ -17,10 +17,14 @@ from federation import logs
 # gRPC servers: a busy port is an error (gRPC shares it by default, mixing two federations),
 # and a burst of new calls is queued, not cancelled: grpc-core cancels calls beyond 1,000
 # waiting for the application (3,000 hard), and a gateway opens a stream per request.
+# grpc.aio takes waiting calls one per event-loop turn; under an Offline burst (~20 k calls
+# at once, the loop busy with the streams already open) that can take longer than grpc-core's
+# 30 s before it cancels a call nobody took (the CANCELLED failures noted on issue #3).
 GRPC_SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),
     ("grpc.server.max_pending_requests", 50_000),
     ("grpc.server.max_pending_requests_hard_limit", 100_000),
+    ("grpc.server_max_unrequested_time_in_server", 1800),  # seconds: as long as a first token may take
 )
 
 

@@ -103,6 +103,12 @@ class CapacityEstimator:
         self.full_site_tok_s += weight * (seen - self.full_site_tok_s)
         self.evidence = evidence
 
+    def prefill_s_per_token(self) -> float:
+        """The GPU's prefill cost per prompt token, at the speed the site has shown."""
+        if self.profile is None or self.full_site_tok_s <= 0:
+            return 0.0
+        return self.profile.rho_ms / 1000.0 * self.prior_tok_s / self.full_site_tok_s
+
     def capacity_tok_s(self, healthy_workers: int, total_workers: int) -> float:
         """What the site delivers now: a site that lost 4 of 16 workers, three quarters."""
         if total_workers <= 0:

@@ -22,6 +22,8 @@ class SiteLoad:
     outstanding_tokens: int
     outstanding_requests: int = 0
     prior_capacity_tok_s: float = 0.0  # declared: GPU profile x GPU count
+    slots: int = 0  # requests its healthy workers run at once; 0: unknown
+    prefill_s_per_token: float = 0.0  # measured speed applied to the GPU's prefill cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,15 +46,30 @@ def _pick(name: str, scored: list[tuple[float, SiteLoad]]) -> RouteDecision | No
     return RouteDecision(s.site, s.agent_address, score, name)
 
 
+# Among sites with free slots, a fuller one is slower for everyone on it (a bigger batch is a
+# longer step): one fully loaded site counts this many seconds more than an empty one, so a
+# site 10 % fuller than another loses to it unless it is > 100 ms closer.
+FILL_PENALTY_S = 1.0
+
+
 def least_expected_delay(sites: Sequence[SiteLoad], req: RouteRequest, ctx: RouteContext) -> RouteDecision | None:
-    """The site where this request would finish soonest: the work already queued there plus
-    this request's, over the site's measured capacity, plus the WAN round trip from the
-    client's region (when the client says where it is). None when no site can take it."""
+    """The site where this request would start soonest: the time until a slot frees there (the
+    work queued beyond its running slots over its measured capacity), plus the WAN round trip
+    from the client's region (when the client says where it is), plus its prefill there, plus
+    a small penalty for how full the site is. Sites with free slots fill in proportion to their
+    slots; once all are full, queues grow in proportion to capacity — every site saturated, none
+    with an idle slot while another has a queue. None when no site can take it."""
     work = expected_output_tokens(req.max_tokens)
 
     def delay(s: SiteLoad) -> float:
         wan = ctx.rtt_s.get((req.client_region, s.region), 0.0) if req.client_region else 0.0
-        return (s.outstanding_tokens + work) / s.capacity_tok_s + wan
+        prefill = req.prompt_tokens * s.prefill_s_per_token
+        if s.slots <= 0:  # the site does not say how many it runs: all its work counts as queued
+            return (s.outstanding_tokens + work) / s.capacity_tok_s + wan + prefill
+        waiting = max(0, s.outstanding_requests + 1 - s.slots)
+        per_request = s.outstanding_tokens / s.outstanding_requests if s.outstanding_requests else work
+        fill = min(1.0, (s.outstanding_requests + 1) / s.slots)
+        return waiting * per_request / s.capacity_tok_s + wan + prefill + FILL_PENALTY_S * fill
 
     return _pick("least_expected_delay", [(delay(s), s) for s in _candidates(sites, req)])
 

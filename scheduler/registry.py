@@ -135,6 +135,8 @@ class Registry:
                 s.outstanding_tokens,
                 s.outstanding_requests,
                 s.prior_capacity_tok_s,
+                s.report.slots if s.report else 0,
+                s.estimator.prefill_s_per_token(),
             )
             for s in self.sites.values()
             if s.status is SiteStatus.READY

@@ -112,7 +112,8 @@ class SchedulerService(wire.SchedulerServicer):
         decision = self.policy(self.registry.routable(), req, RouteContext(self.rtt_s, self._decisions))
         self._decisions += 1
         if decision is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no site is ready to serve")
+            # Not UNAVAILABLE: that is what a gateway retries (the scheduler itself unreachable).
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no site is ready to serve")
         self.registry.record_route(decision.site, req)
         return wire.decision_to_pb(decision)
 

@@ -104,3 +104,37 @@ def test_a_report_older_than_a_route_does_not_erase_it() -> None:
         SiteReport("us", 16, 16, outstanding_requests=2, outstanding_tokens=700, received_requests=2), now=1.4
     )
     assert (reg.states()[0].outstanding_requests, reg.states()[0].outstanding_tokens) == (2, 700)
+
+
+def _fill(sites: dict[str, SiteLoad], requests: int, max_tokens: int = 1278) -> dict[str, SiteLoad]:
+    """Route `requests` one after another with nothing finishing, as an Offline burst does."""
+    from dataclasses import replace
+
+    for _ in range(requests):
+        site = least_expected_delay(list(sites.values()), _req(max_tokens=max_tokens), RTT).site
+        s = sites[site]
+        sites[site] = replace(
+            s, outstanding_requests=s.outstanding_requests + 1, outstanding_tokens=s.outstanding_tokens + max_tokens
+        )
+    return sites
+
+
+def test_sites_with_free_slots_fill_in_proportion_to_their_slots() -> None:
+    """Below saturation neither site is packed while the other sits half empty: after 10,000
+    requests on 4,096 + 16,384 slots both are about equally full (~49 %)."""
+    kr = SiteLoad("kr", "ap-northeast-2", "kr:1", 50_000, 0, slots=4096)
+    us = SiteLoad("us", "us-west-2", "us:1", 226_000, 0, slots=16_384)
+    sites = _fill({"kr": kr, "us": us}, 10_000)
+    fills = {name: s.outstanding_requests / s.slots for name, s in sites.items()}
+    assert abs(fills["kr"] - fills["us"]) < 0.03, fills
+
+
+def test_past_saturation_no_site_idles_while_another_queues() -> None:
+    """24,000 requests on 20,480 slots: both sites run full, and the queues beyond their slots
+    are in proportion to their capacity (equal waits), not to their slots."""
+    kr = SiteLoad("kr", "ap-northeast-2", "kr:1", 50_000, 0, slots=4096)
+    us = SiteLoad("us", "us-west-2", "us:1", 226_000, 0, slots=16_384)
+    sites = _fill({"kr": kr, "us": us}, 24_000)
+    queued = {name: s.outstanding_requests - s.slots for name, s in sites.items()}
+    assert min(queued.values()) > 0, queued
+    assert abs(queued["us"] / queued["kr"] - 226 / 50) < 0.3, queued

@@ -13,7 +13,6 @@ the real GPUs would deliver them; ratios (efficiency, shares) are the same eithe
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import math
 import multiprocessing
 import random
@@ -73,13 +72,9 @@ def run_plan(endpoint: str, plan: Sequence[Planned], max_in_flight: int, label: 
     parts = max(1, math.ceil(max_in_flight / PER_PROCESS_IN_FLIGHT))
     if parts == 1:
         return asyncio.run(_drive(endpoint, plan, max_in_flight, label, 0))
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(parts, mp_context=context) as pool:
-        futures = [
-            pool.submit(_drive_in_process, endpoint, plan[i::parts], math.ceil(max_in_flight / parts), label, i)
-            for i in range(parts)
-        ]
-        return [r for f in futures for r in f.result()]
+    jobs = [(endpoint, plan[i::parts], math.ceil(max_in_flight / parts), label, i) for i in range(parts)]
+    with multiprocessing.get_context("spawn").Pool(parts) as pool:  # leaving the block terminates them
+        return [r for part in pool.starmap(_drive_in_process, jobs) for r in part]
 
 
 def _drive_in_process(endpoint: str, plan: Sequence[Planned], max_in_flight: int, label: str, part: int) -> list:

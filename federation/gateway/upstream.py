@@ -10,11 +10,18 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 from federation import wire
 from federation.errors import BadRequest, NoCapacity, UpstreamFailed
 
-ROUTE_TIMEOUT_S = 2.0  # a decision takes milliseconds; a scheduler that needs longer is sick
+# A decision takes the scheduler milliseconds, but an Offline burst (~24 k requests at once)
+# keeps the gateway's own loop busy for seconds before it reads the answer: each attempt
+# gets this long, and a timed-out or refused attempt is retried, with jitter, for up to
+# ROUTE_BUDGET_S before the client is told no site is available.
+ROUTE_TIMEOUT_S = 10.0
+ROUTE_BUDGET_S = 30.0
+ROUTE_RETRY_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
 # The agent bounds its own waits on the worker (30 min to the first token, 60 s between
 # events); these are a little longer, so the agent's clearer error arrives first.
 FIRST_CHUNK_TIMEOUT_S = 1900.0
@@ -39,10 +46,19 @@ class Upstream:
             await channel.close()
 
     async def route(self, req: wire.RouteRequest) -> wire.RouteDecision:
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(lambda e: isinstance(e, grpc.aio.AioRpcError) and e.code() in ROUTE_RETRY_CODES),
+            wait=wait_random_exponential(multiplier=0.05, max=2.0),
+            stop=stop_after_delay(ROUTE_BUDGET_S),
+            reraise=True,
+        )
+        message = wire.route_request_to_pb(req)
+
+        async def attempt():  # a coroutine: tenacity would hand back grpc's call object unawaited
+            return await self._scheduler.Route(message, timeout=ROUTE_TIMEOUT_S, metadata=_metadata(req.request_id))
+
         try:
-            pb = await self._scheduler.Route(
-                wire.route_request_to_pb(req), timeout=ROUTE_TIMEOUT_S, metadata=_metadata(req.request_id)
-            )
+            pb = await retrying(attempt)
         except grpc.aio.AioRpcError as exc:
             raise NoCapacity(f"no site available: {exc.details() or exc.code().name}") from None
         return wire.decision_from_pb(pb)
