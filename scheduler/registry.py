@@ -16,7 +16,9 @@ from federation.work import expected_output_tokens
 from scheduler.capacity import CapacityEstimator
 from scheduler.policy import SiteLoad
 
-RECENT_ROUTES = 4096  # far more than can be in transit to one site within a report period
+# Routes still in transit are those the agent has not taken yet: in an Offline burst grpc.aio
+# takes calls one per loop turn, so tens of thousands may wait in its queue for seconds.
+RECENT_ROUTES = 65_536
 
 
 class RegistrationRefused(ValueError):

@@ -19,7 +19,7 @@ import structlog
 
 from federation import runtime, wire
 from nodes.agent.pool import WorkerPool
-from nodes.agent.reporter import Reporter
+from nodes.agent.reporter import LoopWatch, Reporter
 from nodes.agent.service import SiteAgentService
 from nodes.emulator.launch import EmulatorProcess, launch
 
@@ -106,9 +106,10 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     registration = wire.SiteRegistration(
         args.site, args.region, args.gpu, args.gpus, args.advertise or address, args.model
     )
-    reporter = Reporter(registration, service.report)
-    tasks = [asyncio.ensure_future(pool.check_forever())]
-    tasks += [asyncio.ensure_future(reporter.run(s)) for s in args.scheduler]
+    watch = LoopWatch()
+    reporter = Reporter(registration, service.report, watch)
+    tasks = [asyncio.ensure_future(pool.check_forever()), asyncio.ensure_future(watch.tick_forever())]
+    reporter.start(args.scheduler)
     stop = runtime.stop_event()
     runtime.announce_ready(site=args.site, agent=address, workers=urls)
     await stop.wait()
@@ -116,6 +117,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.to_thread(reporter.stop)
     await server.stop(GRACE_S)
     await service.close()
     return 0

@@ -31,16 +31,24 @@ BETWEEN_EVENTS_TIMEOUT_S = 60.0
 
 
 class _Ledger:
-    """Work in flight at the site and per worker: what the reports and the balancing use."""
+    """Work in flight at the site (queued here or at a worker) and per worker: what the reports
+    and the balancing use."""
 
     def __init__(self) -> None:
         self.requests = 0
         self.tokens = 0
         self.received = 0  # every Generate call, served or refused: the scheduler's acknowledgement
 
-    def open(self, worker: Worker, tokens: int) -> None:
+    def arrive(self, tokens: int) -> None:
         self.requests += 1
         self.tokens += tokens
+
+    def leave(self, tokens: int) -> None:
+        """A request that never reached a worker."""
+        self.requests -= 1
+        self.tokens -= tokens
+
+    def assign(self, worker: Worker, tokens: int) -> None:
         worker.outstanding_tokens += tokens
 
     def settle(self, worker: Worker, tokens: int) -> None:
@@ -65,26 +73,31 @@ class SiteAgentService(wire.SiteAgentServicer):
         self.ledger.received += 1
         try:
             req = wire.generate_request_from_pb(request)
-            async with asyncio.timeout(FIRST_TOKEN_TIMEOUT_S):
-                worker = await self.pool.acquire()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except NoHealthyWorker as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"site {self.site}: no worker slot in time")
+        max_new = req.sampling_params.get("max_new_tokens")
+        expected = expected_output_tokens(max_new if isinstance(max_new, int) else 0)
+        self.ledger.arrive(expected)
+        try:
+            async with asyncio.timeout(FIRST_TOKEN_TIMEOUT_S):
+                worker = await self.pool.acquire()
+        except BaseException as exc:
+            self.ledger.leave(expected)
+            if isinstance(exc, NoHealthyWorker):
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            if isinstance(exc, TimeoutError):
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"site {self.site}: no worker slot in time")
+            raise
         # The worker's rid is ours, fixed-length and unique: SGLang aborts by rid *prefix*,
         # so a client's id must never be able to name another client's request.
         rid = "fed-" + uuid.uuid4().hex
-        max_new = req.sampling_params.get("max_new_tokens")
-        expected = expected_output_tokens(max_new if isinstance(max_new, int) else 0)
         payload: dict = {"rid": rid, "sampling_params": req.sampling_params}
         if req.input_ids:
             payload["input_ids"] = list(req.input_ids)
         else:
             payload["text"] = req.text
         entry = (worker, rid)
-        self.ledger.open(worker, expected)
+        self.ledger.assign(worker, expected)
         self._in_flight[req.request_id] = entry
         counted, worker_done = 0, False
         bound = log.bind(request_id=req.request_id, rid=rid, site=self.site, worker=worker.url)
