@@ -7,6 +7,7 @@ not listening yet.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
@@ -72,6 +73,15 @@ class Child:
             return self.proc.wait()
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies, so a parent that is killed (not
+    stopped) leaves no orphan behind: no emulator holding ports after its agent is gone."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def start_python(
     name: str,
     module: str,
@@ -85,7 +95,15 @@ def start_python(
     Its log lines (stderr) go to `log`, or to ours."""
     cmd = [*wrapper, sys.executable, "-m", module, *args]
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
-    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
+        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+    )
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     while (left := deadline - time.monotonic()) > 0:
