@@ -30,6 +30,7 @@ RECONNECT_BASE_S = 0.2
 RECONNECT_MAX_S = 5.0
 REGISTER_TIMEOUT_S = 5.0
 LOOP_TICK_S = 0.1
+LATE_REPORT_S = 0.75  # a gap this long between reports risks the scheduler's 1 s heartbeat
 # A loop busy this long is hung, not busy: the longest stall seen under a 24 k-request burst
 # on two cores was ~2 s.
 LOOP_STALL_LIMIT_S = 5.0
@@ -117,9 +118,15 @@ class Reporter:
 
     def _reports(self, interval_s: float) -> Iterator:
         """One report per interval while the agent's loop is alive; ends the stream when we stop."""
+        sent_at = time.monotonic()
         while not self._stop.is_set():
             if self.watch.stalled:
                 log.warning("reporter.loop_stalled", stalled_s=round(time.monotonic() - self.watch.alive_at, 1))
             else:
-                yield wire.report_to_pb(self.make_report())
+                report = wire.report_to_pb(self.make_report())
+                now = time.monotonic()
+                if now - sent_at > LATE_REPORT_S:  # gRPC took this long to ask for the next one
+                    log.warning("reporter.late", gap_s=round(now - sent_at, 2))
+                sent_at = now
+                yield report
             self._stop.wait(interval_s)
