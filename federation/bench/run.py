@@ -109,7 +109,8 @@ def _measure(endpoint: str, samples: Sequence[Sample], args: argparse.Namespace,
 def _server(endpoint: str, samples, args: argparse.Namespace, speed: float, label: str, rate: float) -> dict:
     plan = scenarios.server_plan(samples, rate, speed=speed, seed=args.seed)
     results = scenarios.run_plan(endpoint, plan, args.max_in_flight, f"{label} server {rate:.1f}/s")
-    return {**scenarios.summarize(results, scenario="server", policy=label, speed=speed), "rate": round(rate, 3)}
+    summary = {**scenarios.summarize(results, scenario="server", policy=label, speed=speed), "rate": round(rate, 3)}
+    return {**summary, "meets_limits": scenarios.meets_server_limits(summary)}
 
 
 def _search(endpoint: str, samples, args: argparse.Namespace, speed: float, label: str) -> dict[str, Any]:
@@ -124,7 +125,7 @@ def _search(endpoint: str, samples, args: argparse.Namespace, speed: float, labe
     for _ in range(SEARCH_STEPS):
         rate = (lo + hi) / 2
         summary = _server(endpoint, samples, args, speed, label, rate)
-        ok = scenarios.meets_server_limits(summary)
+        ok = summary["meets_limits"]
         trials.append(
             {k: summary[k] for k in ("rate", "output_tokens_per_s", "ttft_p99_ms", "tpot_p99_ms")} | {"ok": ok}
         )

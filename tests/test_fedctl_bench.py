@@ -1,0 +1,75 @@
+"""`fedctl bench`, small: the same seeded work through the federation, each site alone and a
+baseline policy, with the issue's JSON keys (the real runs are long; see docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from federation.processes import PROJECT_ROOT
+from tests.test_federation import _config
+
+KEYS = {
+    "scenario",
+    "policy",
+    "requests",
+    "output_tokens",
+    "duration_s",
+    "output_tokens_per_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "tpot_p50_ms",
+    "tpot_p99_ms",
+    "per_site",
+    "standalone",
+    "federation_efficiency",
+}
+
+
+def _bench(tmp_path: Path, *args: str) -> dict:
+    config, _ = _config(tmp_path, [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")])
+    out = tmp_path / "bench.json"
+    common = ["--config", str(config), "--speed", "10", "--stream-chunk-ms", "200", "--output-mean", "60"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "federation.cli", "bench", *common, *args, "--json", str(out)],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(180)
+def test_offline_with_standalone_and_a_baseline(tmp_path: Path) -> None:
+    """Offline over 60 samples: every request answered with exactly the tokens asked for, split
+    over both sites; each site alone and round robin run on the same samples; the efficiency is
+    federated tokens/s over the sum of the standalone ones."""
+    report = _bench(tmp_path, "--requests", "60", "--compare-standalone", "--compare", "round_robin")
+    assert KEYS <= set(report)
+    assert report["scenario"] == "offline" and report["policy"] == "least_expected_delay"
+    assert report["requests"] == 60 and report["requests_failed"] == 0, report["errors"]
+    assert set(report["per_site"]) == {"kr-mi300x", "us-mi355x"}
+    assert sum(s["output_tokens"] for s in report["per_site"].values()) == report["output_tokens"]
+    assert set(report["standalone"]) == {"kr-mi300x", "us-mi355x"} and min(report["standalone"].values()) > 0
+    expected = report["output_tokens_per_s"] / sum(report["standalone"].values())
+    assert report["federation_efficiency"] == pytest.approx(expected, abs=1e-3)
+    baseline = report["comparisons"]["round_robin"]
+    assert baseline["requests_failed"] == 0 and baseline["output_tokens"] == report["output_tokens"]
+
+
+@pytest.mark.timeout(180)
+def test_server_at_a_given_rate(tmp_path: Path) -> None:
+    """Server at a stated Poisson rate: latencies are measured from each arrival, and the run
+    says whether it met MLPerf's p99 TTFT and TPOT limits."""
+    report = _bench(tmp_path, "--scenario", "server", "--rate", "20", "--requests", "40")
+    assert isinstance(report["meets_limits"], bool)
+    assert report["scenario"] == "server" and report["rate"] == 20
+    assert report["requests_failed"] == 0, report["errors"]
+    assert 0 < report["ttft_p50_ms"] <= report["ttft_p99_ms"]
+    assert 0 < report["tpot_p50_ms"] <= report["tpot_p99_ms"]
