@@ -17,8 +17,10 @@ from scheduler.capacity import CapacityEstimator
 from scheduler.policy import SiteLoad
 
 # Routes still in transit are those the agent has not taken yet: in an Offline burst grpc.aio
-# takes calls one per loop turn, so tens of thousands may wait in its queue for seconds.
-RECENT_ROUTES = 65_536
+# takes calls one per loop turn, so thousands may wait in its queue for seconds. A route not
+# acknowledged this long after it was decided never will be (the gateway gave up on that
+# attempt and asked again): it stops counting, so such phantoms cannot pile up.
+IN_TRANSIT_S = 30.0
 
 
 class RegistrationRefused(ValueError):
@@ -44,7 +46,8 @@ class Site:
     # Routes the agent has not acknowledged yet (its received_requests lags): their expected
     # tokens are added to what it reports, so a report older than a route cannot erase it.
     routed_since_registration: int = 0
-    recent_route_tokens: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_ROUTES))
+    recent_routes: deque[tuple[float, int]] = field(default_factory=deque)  # (when, tokens), newest last
+    routes_past_transit: int = 0  # routes that left `recent_routes` (older than IN_TRANSIT_S)
 
     @property
     def capacity_tok_s(self) -> float:
@@ -92,8 +95,17 @@ class Registry:
             site.estimator.observe(report, now - site.last_report_at)
         site.report = report
         site.last_report_at = now
-        unacked = min(max(site.routed_since_registration - report.received_requests, 0), len(site.recent_route_tokens))
-        in_transit = sum(itertools.islice(reversed(site.recent_route_tokens), unacked))
+        while site.recent_routes and site.recent_routes[0][0] < now - IN_TRANSIT_S:
+            site.recent_routes.popleft()
+            site.routes_past_transit += 1
+        # Routes older than the window have arrived or never will: more of them than the agent
+        # has received are phantoms (a gateway's timed-out attempt), no longer in transit.
+        phantoms = site.routes_past_transit - report.received_requests
+        if phantoms > 0:
+            site.routed_since_registration -= phantoms
+            site.routes_past_transit -= phantoms
+        unacked = min(max(site.routed_since_registration - report.received_requests, 0), len(site.recent_routes))
+        in_transit = sum(tokens for _, tokens in itertools.islice(reversed(site.recent_routes), unacked))
         site.outstanding_requests = report.outstanding_requests + unacked
         site.outstanding_tokens = report.outstanding_tokens + in_transit
         site.status = self._live_status(site)
@@ -144,13 +156,13 @@ class Registry:
             if s.status is SiteStatus.READY
         ]
 
-    def record_route(self, name: str, req: RouteRequest) -> None:
+    def record_route(self, name: str, req: RouteRequest, now: float) -> None:
         """Count a decision until the site's next report says what it really holds."""
         site = self.get(name)
         tokens = expected_output_tokens(req.max_tokens)
         site.routed_requests += 1
         site.routed_since_registration += 1
-        site.recent_route_tokens.append(tokens)
+        site.recent_routes.append((now, tokens))
         site.outstanding_requests += 1
         site.outstanding_tokens += tokens
 

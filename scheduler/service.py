@@ -123,7 +123,7 @@ class SchedulerService(wire.SchedulerServicer):
         if decision is None:
             # Not UNAVAILABLE: that is what a gateway retries (the scheduler itself unreachable).
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no site is ready to serve")
-        self.registry.record_route(decision.site, req)
+        self.registry.record_route(decision.site, req, time.monotonic())
         return wire.decision_to_pb(decision)
 
     def _state(self) -> wire.FederationState:

@@ -93,8 +93,8 @@ def test_a_report_older_than_a_route_does_not_erase_it() -> None:
     reg = Registry("openai/gpt-oss-120b", heartbeat_timeout_s=1.0)
     reg.register(SiteRegistration("us", "us-west-2", "mi355x", 16, "us:1", "openai/gpt-oss-120b"))
     reg.apply_report(SiteReport("us", healthy_workers=16, total_workers=16), now=1.0)
-    reg.record_route("us", RouteRequest("a", prompt_tokens=10, max_tokens=300))
-    reg.record_route("us", RouteRequest("b", prompt_tokens=10, max_tokens=500))
+    reg.record_route("us", RouteRequest("a", prompt_tokens=10, max_tokens=300), now=1.1)
+    reg.record_route("us", RouteRequest("b", prompt_tokens=10, max_tokens=500), now=1.1)
     reg.apply_report(
         SiteReport("us", 16, 16, outstanding_requests=1, outstanding_tokens=290, received_requests=1), now=1.2
     )
@@ -104,6 +104,24 @@ def test_a_report_older_than_a_route_does_not_erase_it() -> None:
         SiteReport("us", 16, 16, outstanding_requests=2, outstanding_tokens=700, received_requests=2), now=1.4
     )
     assert (reg.states()[0].outstanding_requests, reg.states()[0].outstanding_tokens) == (2, 700)
+
+
+def test_routes_that_never_arrive_stop_counting() -> None:
+    """A gateway that timed out on a Route and asked again leaves a decision the agent never
+    receives: once older than the transit window it no longer inflates the site's load."""
+    from scheduler.registry import IN_TRANSIT_S
+
+    reg = Registry("openai/gpt-oss-120b", heartbeat_timeout_s=1.0)
+    reg.register(SiteRegistration("us", "us-west-2", "mi355x", 16, "us:1", "openai/gpt-oss-120b"))
+    for i in range(10):
+        reg.record_route("us", RouteRequest(f"r{i}", prompt_tokens=10, max_tokens=100), now=1.0)
+    later = 1.0 + IN_TRANSIT_S + 1
+    arrived = SiteReport("us", 16, 16, outstanding_requests=8, outstanding_tokens=800, received_requests=8)
+    reg.apply_report(arrived, now=later)
+    reg.record_route("us", RouteRequest("new", prompt_tokens=10, max_tokens=100), now=later + 0.1)
+    reg.apply_report(arrived, now=later + 0.25)
+    state = reg.states()[0]
+    assert (state.outstanding_requests, state.outstanding_tokens) == (8 + 1, 800 + 100)
 
 
 def _fill(sites: dict[str, SiteLoad], requests: int, max_tokens: int = 1278) -> dict[str, SiteLoad]:
