@@ -48,6 +48,9 @@ class SiteRegistration:
     gpus: int
     agent_address: str
     model: str
+    probe_batch: float = 0.0  # the calibration probe, per worker (0: not run)
+    probe_context_tokens: float = 0.0
+    probe_tok_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +219,7 @@ def abort_reply_to_pb(found: bool) -> pb.AbortReply:
 
 
 def registration_from_pb(m: pb.SiteRegistration) -> SiteRegistration:
-    return SiteRegistration(m.name, m.region, m.gpu, m.gpus, m.agent_address, m.model)
+    return SiteRegistration(**{f.name: getattr(m, f.name) for f in fields(SiteRegistration)})
 
 
 def registered_from_pb(m: pb.Registered) -> Registered:

@@ -32,20 +32,26 @@ COMMAND_UNDRAIN: Command
 COMMAND_REMOVE: Command
 
 class SiteRegistration(_message.Message):
-    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "model")
+    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "model", "probe_batch", "probe_context_tokens", "probe_tok_s")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROBE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    PROBE_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_TOK_S_FIELD_NUMBER: _ClassVar[int]
     name: str
     region: str
     gpu: str
     gpus: int
     agent_address: str
     model: str
-    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    probe_batch: float
+    probe_context_tokens: float
+    probe_tok_s: float
+    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., model: _Optional[str] = ..., probe_batch: _Optional[float] = ..., probe_context_tokens: _Optional[float] = ..., probe_tok_s: _Optional[float] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("site", "prior_capacity_tok_s", "report_interval_s")

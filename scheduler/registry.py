@@ -72,6 +72,7 @@ class Registry:
             )
         try:
             estimator = CapacityEstimator.for_site(reg.gpu, reg.gpus)
+            estimator.calibrate(reg.probe_batch, reg.probe_context_tokens, reg.probe_tok_s)
         except KeyError:
             raise RegistrationRefused(f"unknown GPU {reg.gpu!r}: use mi300x or mi355x") from None
         if reg.gpus < 1 or not reg.agent_address:

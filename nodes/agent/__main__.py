@@ -18,6 +18,7 @@ import grpc
 import structlog
 
 from federation import runtime, wire
+from nodes.agent import calibrate
 from nodes.agent.pool import WorkerPool
 from nodes.agent.reporter import LoopWatch, Reporter
 from nodes.agent.service import SiteAgentService
@@ -103,8 +104,15 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
         log.error("agent.bind_failed", address=address, error=str(exc))
         return 1
     await server.start()
+    measured = await calibrate.probe(pool)
     registration = wire.SiteRegistration(
-        args.site, args.region, args.gpu, args.gpus, args.advertise or address, args.model
+        args.site,
+        args.region,
+        args.gpu,
+        args.gpus,
+        args.advertise or address,
+        args.model,
+        *((measured.batch, measured.context_tokens, measured.tok_s) if measured else ()),
     )
     watch = LoopWatch()
     reporter = Reporter(registration, service.report, watch)
