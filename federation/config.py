@@ -63,6 +63,7 @@ class Config:
     # Gateway processes sharing the port (SO_REUSEPORT): each open request holds a socket,
     # and one process has 20,000 file descriptors here; a federation at MLPerf load has more.
     gateway_processes: int = 1
+    ttft_budget_ms: float = 0.0  # gateway latency mode when > 0 (see federation/gateway/admission.py)
     rtt_ms: dict[tuple[str, str], float] = field(default_factory=dict)  # both orders present
     sites: tuple[SiteConfig, ...] = ()
 
@@ -148,6 +149,9 @@ def parse(text: str, source: str = "config") -> Config:
     if not sites:
         raise ConfigError(f"{source}: at least one site is needed")
     processes = _need(gateway, "processes", int, f"{source}: gateway") if "processes" in gateway else 1
+    budget = gateway.get("ttft_budget_ms", 0.0)
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or budget < 0:
+        raise ConfigError(f"{source}: gateway.ttft_budget_ms must be a number >= 0")
     if processes < 1:
         raise ConfigError(f"{source}: gateway.processes must be >= 1")
     if len({s.name for s in sites}) != len(sites):
@@ -167,6 +171,7 @@ def parse(text: str, source: str = "config") -> Config:
         policy=policy,
         stream_chunk_ms=float(chunk_ms),
         gateway_processes=processes,
+        ttft_budget_ms=float(budget),
         rtt_ms=rtt,
         sites=tuple(sites),
     )

@@ -89,6 +89,7 @@ class Federation:
                 ],
             )
         gateway_args = ["--host", c.host, "--port", str(c.gateway_port), "--scheduler", scheduler, "--model", c.model]
+        gateway_args += ["--ttft-budget-ms", str(c.ttft_budget_ms)]
         shared = ["--reuse-port"] if c.gateway_processes > 1 else []
         for i in range(c.gateway_processes):
             self._start(f"gateway {i}" if shared else "gateway", "federation.gateway", [*gateway_args, *shared])

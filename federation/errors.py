@@ -47,3 +47,16 @@ class UpstreamFailed(FederationError):
 
     status = 502
     error_type = "upstream_error"
+
+
+class TooBusy(FederationError):
+    """No site can meet the request's TTFT budget and the gateway's hold queue is full, or the
+    budget ran out while held: come back later (HTTP 429 with Retry-After)."""
+
+    status = 429
+    error_type = "rate_limit_exceeded"
+    code = "ttft_budget_unmet"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

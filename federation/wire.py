@@ -89,6 +89,7 @@ class RouteRequest:
     max_tokens: int = 0  # 0: not given
     client_region: str = ""
     exclude_sites: tuple[str, ...] = ()
+    dry_run: bool = False  # decide, but do not count the route
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +236,7 @@ def command_from_pb(m: pb.SchedulerCommand) -> SchedulerCommand:
 
 
 def route_request_from_pb(m: pb.RouteRequest) -> RouteRequest:
-    return RouteRequest(m.request_id, m.prompt_tokens, m.max_tokens, m.client_region, tuple(m.exclude_sites))
+    return RouteRequest(m.request_id, m.prompt_tokens, m.max_tokens, m.client_region, tuple(m.exclude_sites), m.dry_run)
 
 
 def decision_from_pb(m: pb.RouteDecision) -> RouteDecision:

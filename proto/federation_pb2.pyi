@@ -100,18 +100,20 @@ class SchedulerCommand(_message.Message):
     def __init__(self, command: _Optional[_Union[Command, str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "client_region", "prompt_tokens", "max_tokens", "exclude_sites")
+    __slots__ = ("request_id", "client_region", "prompt_tokens", "max_tokens", "exclude_sites", "dry_run")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REGION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_SITES_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     client_region: str
     prompt_tokens: int
     max_tokens: int
     exclude_sites: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., client_region: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_sites: _Optional[_Iterable[str]] = ...) -> None: ...
+    dry_run: bool
+    def __init__(self, request_id: _Optional[str] = ..., client_region: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_sites: _Optional[_Iterable[str]] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
     __slots__ = ("site", "agent_address", "expected_delay_s", "reason")

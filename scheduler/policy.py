@@ -39,11 +39,12 @@ def _candidates(sites: Sequence[SiteLoad], req: RouteRequest) -> list[SiteLoad]:
     return [s for s in sites if s.site not in req.exclude_sites and s.capacity_tok_s > 0]
 
 
-def _pick(name: str, scored: list[tuple[float, SiteLoad]]) -> RouteDecision | None:
+def _pick(name: str, scored: list[tuple[float, SiteLoad]], delay: Callable[[SiteLoad], float] | None = None):
+    """The lowest score wins; the decision carries the expected delay (the score unless told)."""
     if not scored:
         return None
     score, s = min(scored, key=lambda pair: pair[0])
-    return RouteDecision(s.site, s.agent_address, score, name)
+    return RouteDecision(s.site, s.agent_address, score if delay is None else delay(s), name)
 
 
 # Among sites with free slots, a fuller one is slower for everyone on it (a bigger batch is a
@@ -62,16 +63,20 @@ def least_expected_delay(sites: Sequence[SiteLoad], req: RouteRequest, ctx: Rout
     work = expected_output_tokens(req.max_tokens)
 
     def delay(s: SiteLoad) -> float:
+        """Seconds until this request's first token there: queue, WAN, prefill."""
         wan = ctx.rtt_s.get((req.client_region, s.region), 0.0) if req.client_region else 0.0
         prefill = req.prompt_tokens * s.prefill_s_per_token
         if s.slots <= 0:  # the site does not say how many it runs: all its work counts as queued
             return (s.outstanding_tokens + work) / s.capacity_tok_s + wan + prefill
         waiting = max(0, s.outstanding_requests + 1 - s.slots)
         per_request = s.outstanding_tokens / s.outstanding_requests if s.outstanding_requests else work
-        fill = min(1.0, (s.outstanding_requests + 1) / s.slots)
-        return waiting * per_request / s.capacity_tok_s + wan + prefill + FILL_PENALTY_S * fill
+        return waiting * per_request / s.capacity_tok_s + wan + prefill
 
-    return _pick("least_expected_delay", [(delay(s), s) for s in _candidates(sites, req)])
+    def score(s: SiteLoad) -> float:
+        fill = min(1.0, (s.outstanding_requests + 1) / s.slots) if s.slots > 0 else 0.0
+        return delay(s) + FILL_PENALTY_S * fill
+
+    return _pick("least_expected_delay", [(score(s), s) for s in _candidates(sites, req)], delay)
 
 
 def round_robin(sites: Sequence[SiteLoad], req: RouteRequest, ctx: RouteContext) -> RouteDecision | None:

@@ -119,11 +119,12 @@ class SchedulerService(wire.SchedulerServicer):
     async def Route(self, request, context):
         req = wire.route_request_from_pb(request)
         decision = self.policy(self.registry.routable(), req, RouteContext(self.rtt_s, self._decisions))
-        self._decisions += 1
         if decision is None:
             # Not UNAVAILABLE: that is what a gateway retries (the scheduler itself unreachable).
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no site is ready to serve")
-        self.registry.record_route(decision.site, req, time.monotonic())
+        if not req.dry_run:
+            self._decisions += 1
+            self.registry.record_route(decision.site, req, time.monotonic())
         return wire.decision_to_pb(decision)
 
     def _state(self) -> wire.FederationState:

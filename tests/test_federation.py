@@ -287,3 +287,24 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     for port in [ports["gateway"], ports["scheduler"], *range(ports["us-mi355x"], ports["us-mi355x"] + GPUS)]:
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still open"
+
+
+async def test_latency_mode_refuses_what_no_site_can_start_within_its_budget(
+    federation, http: aiohttp.ClientSession
+) -> None:
+    """With a TTFT budget no site can meet (1 µs: less than any prefill), the gateway holds the
+    request until the budget is spent, then answers 429 with Retry-After and an OpenAI error,
+    and no site is asked to run it; a budget a site can meet is served; a malformed one is 400."""
+    fed, path, _ = federation
+    base = fed.ready["endpoint"].removesuffix("/v1")
+    before = sum(s["routed_requests"] for s in _status(path)["sites"])
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 5}
+    async with http.post(base + "/v1/completions", json=body, headers={"X-TTFT-Budget-Ms": "0.001"}) as resp:
+        refused = await resp.json()
+        assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 1
+    assert refused["error"]["code"] == "ttft_budget_unmet"
+    assert sum(s["routed_requests"] for s in _status(path)["sites"]) == before
+    async with http.post(base + "/v1/completions", json=body, headers={"X-TTFT-Budget-Ms": "5000"}) as resp:
+        assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] >= 1
+    async with http.post(base + "/v1/completions", json=body, headers={"X-TTFT-Budget-Ms": "soon"}) as resp:
+        assert resp.status == 400 and "X-TTFT-Budget-Ms" in (await resp.json())["error"]["message"]

@@ -22,12 +22,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scheduler", required=True, help="host:port of a scheduler")
     p.add_argument("--model", default="openai/gpt-oss-120b")
     p.add_argument("--reuse-port", action="store_true", help="share the port with other gateway processes")
+    p.add_argument(
+        "--ttft-budget-ms",
+        type=float,
+        default=0.0,
+        help="latency mode: hold or refuse (429) requests no site can start within this (0: throughput mode)",
+    )
+    p.add_argument("--max-held", type=int, default=10_000, help="requests held for a site in latency mode, at most")
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> int:
     tokens.count("warm up")  # load the tokenizer before the first request pays for it
-    app = build_app(GatewayConfig(args.scheduler, args.model))
+    app = build_app(
+        GatewayConfig(args.scheduler, args.model, ttft_budget_ms=args.ttft_budget_ms, max_held=args.max_held)
+    )
     # Cancel a handler when its client disconnects, so the site's work is aborted too.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()

@@ -20,8 +20,9 @@ import structlog
 from aiohttp import web
 
 from federation import wire
-from federation.errors import BadRequest, FederationError, UpstreamFailed
-from federation.gateway import jobs
+from federation.errors import BadRequest, FederationError, TooBusy, UpstreamFailed
+from federation.gateway import admission, jobs
+from federation.gateway.admission import Admission
 from federation.gateway.responses import Answer
 from federation.gateway.upstream import Upstream
 
@@ -34,10 +35,13 @@ class GatewayConfig:
     scheduler_address: str
     model: str = "openai/gpt-oss-120b"
     context_tokens: int = 131_072
+    ttft_budget_ms: float = 0.0  # latency mode when > 0 (a request's X-TTFT-Budget-Ms overrides it)
+    max_held: int = 10_000  # requests held for a site that can meet their budget, at most
 
 
 CONFIG_KEY = web.AppKey("config", GatewayConfig)
 UPSTREAM_KEY = web.AppKey("upstream", Upstream)
+ADMISSION_KEY = web.AppKey("admission", Admission)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -51,7 +55,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         return await handler(request)
     except FederationError as exc:
-        return _json(exc.body(), exc.status)
+        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, TooBusy) else None
+        return _json(exc.body(), exc.status, headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -81,6 +86,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
 async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web.StreamResponse:
     config, upstream = request.app[CONFIG_KEY], request.app[UPSTREAM_KEY]
     request_id = _request_id(request)
+    budget = admission.budget_s(request.headers.get(admission.BUDGET_HEADER), config.ttft_budget_ms)
     job = make_job(
         await _body(request), request_id=request_id, served_model=config.model, context_tokens=config.context_tokens
     )
@@ -92,7 +98,7 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         route = wire.RouteRequest(
             request_id, job.request.prompt_tokens, job.max_tokens, request.headers.get("X-Client-Region", "")
         )
-        decision = await upstream.route(route)
+        decision = await request.app[ADMISSION_KEY].route(route, budget)
         chunks = upstream.generate(decision.agent_address, job.request)
         first = await anext(chunks, None)
         if first is None:
@@ -194,6 +200,7 @@ def build_app(config: GatewayConfig) -> web.Application:
 
     async def upstream_ctx(app: web.Application):
         app[UPSTREAM_KEY] = Upstream(config.scheduler_address)
+        app[ADMISSION_KEY] = admission.Admission(app[UPSTREAM_KEY], config.max_held)
         yield
         await app[UPSTREAM_KEY].close()
 
