@@ -50,10 +50,20 @@ def test_lost_workers_lower_capacity_at_once() -> None:
     assert abs(est.capacity_tok_s(16, 16) / 160_000 - 1) < 0.01
 
 
-def _mi300x_at(batch: int, context_per_request: int) -> tuple[float, int]:
-    """What one MI300X delivers decoding `batch` requests: (tokens/s, KV tokens in use)."""
-    context = batch * context_per_request
-    return 1000.0 * batch / PROFILES["mi300x"].step_ms(batch, context, 0), context
+def _decode_like_mi300x(est: CapacityEstimator, batch: int, seconds: float = 30) -> None:
+    """Reports from 16 GPUs that decode `batch` requests each (1,600 tokens of context apiece)
+    at an MI300X's pace, with no queue."""
+    context = batch * 1600
+    tok_s = 1000.0 * batch / PROFILES["mi300x"].step_ms(batch, context, 0)
+    _run(
+        est,
+        seconds,
+        healthy_workers=16,
+        total_workers=16,
+        running_requests=16 * batch,
+        context_tokens=16 * context,
+        gen_throughput_tok_s=16 * tok_s,
+    )
 
 
 def test_a_site_slower_than_declared_loses_share_before_it_ever_queues() -> None:
@@ -63,16 +73,7 @@ def test_a_site_slower_than_declared_loses_share_before_it_ever_queues() -> None
     cost) the batch overstates it by ~25 %; the extra work that routes there makes it queue,
     and saturation evidence then finishes the job (the test above)."""
     est = CapacityEstimator.for_site("mi355x", 16)
-    tok_s, context = _mi300x_at(128, 1600)
-    _run(
-        est,
-        30,
-        healthy_workers=16,
-        total_workers=16,
-        running_requests=16 * 128,
-        context_tokens=16 * context,
-        gen_throughput_tok_s=16 * tok_s,
-    )
+    _decode_like_mi300x(est, 128)
     true_capacity = prior_capacity_tok_s("mi300x", 16)
     assert abs(est.capacity_tok_s(16, 16) / true_capacity - 1) < 0.3
     assert est.evidence == "batch"
@@ -82,23 +83,14 @@ def test_a_site_as_fast_as_declared_keeps_its_prior_from_batch_evidence() -> Non
     """An MI300X site running a part-full batch at MI300X speed is estimated near its prior:
     batch evidence scales the declared capacity, it does not mistake light load for slowness."""
     est = CapacityEstimator.for_site("mi300x", 16)
-    tok_s, context = _mi300x_at(100, 1600)
-    _run(
-        est,
-        30,
-        healthy_workers=16,
-        total_workers=16,
-        running_requests=16 * 100,
-        context_tokens=16 * context,
-        gen_throughput_tok_s=16 * tok_s,
-    )
+    _decode_like_mi300x(est, 100)
     assert abs(est.capacity_tok_s(16, 16) / est.prior_tok_s - 1) < 0.05
 
 
 def test_a_probe_sets_the_starting_point() -> None:
     """The calibration probe's decode rate replaces the declared prior before any traffic."""
     est = CapacityEstimator.for_site("mi355x", 16)
-    tok_s, context = _mi300x_at(32, 600)
-    est.calibrate(32, context, tok_s)
+    context = 32 * 600
+    est.calibrate(32, context, 1000.0 * 32 / PROFILES["mi300x"].step_ms(32, context, 0))
     assert est.evidence == "probe"
     assert est.capacity_tok_s(16, 16) < 0.4 * est.prior_tok_s
