@@ -41,6 +41,11 @@ _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # the router colours its log even 
 # Descriptors the router holds besides its streams: listeners, its log, idle and load-polling
 # connections to workers (15 with 2 workers, 20 with 4); generous for 32.
 ROUTER_SPARE_FDS = 256
+# Each open stream holds a client and a worker descriptor, and the router's HTTP client keeps
+# finished requests' worker connections idle in its pool: an Offline run with 9,872 open (two
+# per stream) ran out of descriptors, opened every circuit breaker and got 19,113 "no available
+# workers" answers. A third descriptor per stream leaves the pool room.
+FDS_PER_STREAM = 3
 # The router's Rust hub client reads HF_ENDPOINT (not HF_HUB_OFFLINE): pointed at a closed
 # loopback port, its tokenizer download fails at once and never leaves the host.
 ROUTER_ENV = {"HF_ENDPOINT": "http://127.0.0.1:1", "HF_HUB_OFFLINE": "1"}
@@ -99,12 +104,12 @@ class FlatRouter:
 
     @property
     def max_open_streams(self) -> int:
-        """Streams the router can hold open on this machine: two descriptors each (client and
-        worker) under its hard open-files limit. Past it, connecting to a worker fails, its circuit
+        """Streams the router can hold open on this machine: FDS_PER_STREAM descriptors each under
+        its hard open-files limit. Past it, connecting to a worker fails, its circuit
         breakers open and requests get 503 "no available workers": an artefact of the machine,
         not of the router, so a benchmark should offer the peer no more than this."""
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return max(0, (hard - ROUTER_SPARE_FDS) // 2)
+        return max(0, (hard - ROUTER_SPARE_FDS) // FDS_PER_STREAM)
 
     def _start_site(self, site: SiteConfig) -> list[str]:
         """The site's emulated workers; the URLs the router dials, through a WAN link if remote."""
