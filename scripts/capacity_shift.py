@@ -1,7 +1,8 @@
 """Measured, not declared: how fast a site's share follows a change in what it can deliver.
 
 Starts the embedded federation slowed down as `fedctl bench` does, keeps it busy with
-Offline-like load, then changes the US site under load and watches the scheduler:
+Offline-like load of short answers, then changes the US site under load and watches the
+scheduler:
 
     python3 scripts/capacity_shift.py slow  --json bench-results/capacity-slow.json
     python3 scripts/capacity_shift.py lose4 --json bench-results/capacity-lose4.json
@@ -26,13 +27,16 @@ from pathlib import Path
 
 from federation.bench import scenarios
 from federation.bench.run import bench_config
-from federation.bench.workload import WorkloadSpec
+from federation.bench.workload import LengthDistribution, WorkloadSpec
 from federation.embedded import fetch_state, running
 from federation.processes import free_port_block
 
 MI355X_OVER_MI300X = 4.08  # the emulator's calibrated ratio (docs/BENCHMARKS.md, fidelity)
-WARMUP_GPU_S = 40.0
-WATCH_GPU_S = 45.0
+WARMUP_GPU_S = 30.0  # past the opening burst's prefill, when estimates read it as slowness
+WATCH_GPU_S = 35.0
+# Short answers, so requests finish and new ones are routed all the time: the share of new
+# routes is what follows capacity (MLPerf-length answers would route nothing for a minute).
+ANSWERS = LengthDistribution(600, 0.3)
 SAMPLE_S = 0.5
 WITHIN = 0.10
 SITE = "us-mi355x"
@@ -46,7 +50,7 @@ def _post(url: str, body: dict) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("change", choices=["slow", "lose4"])
-    p.add_argument("--speed", type=float, default=0.5)
+    p.add_argument("--speed", type=float, default=0.25)  # ~130 requests/s at the gateway
     p.add_argument("--requests", type=int, default=60_000)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -58,7 +62,7 @@ def main() -> int:
     )
     workers = [f"http://{config.host}:{us_port + i}" for i in range(16)]
     scheduler = f"{config.host}:{config.scheduler_port}"
-    samples = WorkloadSpec(args.requests, seed=1).samples()
+    samples = WorkloadSpec(args.requests, seed=1, output=ANSWERS).samples()
     log = Path("bench-logs") / f"capacity-{args.change}.log"
     log.parent.mkdir(exist_ok=True)
     with log.open("a") as log_file, running(config, log_file) as endpoint:
