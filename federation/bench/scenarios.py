@@ -112,7 +112,8 @@ def steady_rate(results: Sequence[Result]) -> tuple[float, float]:
     """(output tokens/s, window seconds) while the client kept the endpoint fully loaded: from
     when the first wave of requests had its first tokens (the burst absorbed) to when the last
     sample was sent (after which load only falls). Each answer's tokens are counted as spread
-    evenly between its first token and its end. (0, 0) when every sample went out at once.
+    evenly between its first token and its end. A run too small to have such a window (every
+    sample sent before the first answers began) is measured whole.
 
     Why beside MLPerf's tokens ÷ time to the last completion: that one needs runs much longer
     than the longest answer (10,240 tokens ≈ 12 GPU-minutes), or it measures that one answer;
@@ -124,8 +125,8 @@ def steady_rate(results: Sequence[Result]) -> tuple[float, float]:
     first_wave = sorted(r.first_token for r in ok if r.started - t0 < FIRST_WAVE_S)
     start = first_wave[int(0.9 * (len(first_wave) - 1))] if first_wave else t0
     end = max(r.started for r in results)
-    if end <= start:
-        return 0.0, 0.0
+    if end <= start:  # every sample went out before the burst was absorbed: the whole run is the window
+        start, end = t0, max(r.finished for r in ok)
     tokens = 0.0
     for r in ok:
         span = r.finished - r.first_token
