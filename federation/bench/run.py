@@ -24,9 +24,11 @@ from typing import IO, Any
 
 from federation import runtime
 from federation.bench import scenarios
+from federation.bench.peers import ROUTER_POLICIES, FlatRouter
 from federation.bench.workload import MLPERF_LIKE_OUTPUTS, MLPERF_LIKE_PROMPTS, Sample, WorkloadSpec
 from federation.config import Config, load
 from federation.embedded import running
+from scheduler.capacity import prior_capacity_tok_s
 from scheduler.policy import POLICIES
 
 # 32 emulated GPUs, ~18 k open streams and every hop of the federation on two cores: a
@@ -41,16 +43,32 @@ BENCH_GATEWAY_PROCESSES = 2  # 24 k open requests need two processes' file descr
 SEARCH_STEPS = 5  # bisection steps of the Server rate search: the answer within ~3 %
 
 
+def _names(allowed) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: a comma-separated list of names from `allowed`."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n for n in text.split(",") if n)
+        unknown = [n for n in names if n not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown: {', '.join(unknown)} (choose from {', '.join(allowed)})")
+        return names
+
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=["offline", "server"], default="offline")
-    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, help="samples per run")
+    p.add_argument("--requests", type=runtime.positive_int, default=DEFAULT_REQUESTS, help="samples per run")
     p.add_argument(
         "--rate", type=runtime.positive_float, default=None, help="Server: arrivals/s (GPU time); omit to search"
     )
     p.add_argument("--policy", choices=sorted(POLICIES), default="least_expected_delay")
-    p.add_argument("--compare", default="", help="more of our policies to run, comma-separated (e.g. round_robin)")
+    p.add_argument("--compare", type=_names(POLICIES), default=(), help="more of our policies to run, comma-separated")
     p.add_argument(
-        "--peers", default="", help="sglang-router policies to run flat over the same workers, comma-separated"
+        "--peers",
+        type=_names(ROUTER_POLICIES),
+        default=(),
+        help=f"sglang-router policies to run flat over the same workers: {', '.join(ROUTER_POLICIES)}",
     )
     p.add_argument("--compare-standalone", action="store_true", help="each site alone, then federation efficiency")
     p.add_argument(
@@ -65,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--speed", type=runtime.positive_float, default=None, help=f"emulated GPU speed (default {BENCH_SPEED})"
     )
     p.add_argument("--stream-chunk-ms", type=runtime.positive_float, default=BENCH_STREAM_CHUNK_MS)
-    p.add_argument("--max-in-flight", type=int, default=scenarios.MAX_IN_FLIGHT)
+    p.add_argument("--max-in-flight", type=runtime.positive_int, default=scenarios.MAX_IN_FLIGHT)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-mean", type=int, default=MLPERF_LIKE_OUTPUTS.mean)
     p.add_argument("--output-sigma", type=float, default=MLPERF_LIKE_OUTPUTS.sigma, help="log-normal spread; 0: fixed")
@@ -155,8 +173,6 @@ def _federation(config: Config) -> Callable[[IO[str]], AbstractContextManager[tu
 def _router(config: Config, policy: str, stream_chunk_ms: float) -> Callable[[IO[str]], AbstractContextManager]:
     @contextlib.contextmanager
     def start(log: IO[str]) -> Iterator[tuple[str, int]]:
-        from federation.bench.peers import FlatRouter  # only when peers are asked for
-
         with FlatRouter(config, policy, stream_chunk_ms=stream_chunk_ms, log=log) as router:
             yield router.endpoint, router.max_open_streams
 
@@ -188,10 +204,10 @@ def main(args: argparse.Namespace) -> int:
     config = bench_config(args)
     report = _run_on(_federation(config), samples, args, config.speed, config.policy)
     comparisons = {}
-    for policy in filter(None, args.compare.split(",")):
+    for policy in args.compare:
         other = dataclasses.replace(config, policy=policy)
         comparisons[policy] = _run_on(_federation(other), samples, args, config.speed, policy)
-    for policy in filter(None, args.peers.split(",")):
+    for policy in args.peers:
         name = f"sglang-router {policy}"
         start = _router(config, policy, args.stream_chunk_ms)
         comparisons[name] = _run_on(start, samples, args, config.speed, name)
@@ -210,8 +226,6 @@ def main(args: argparse.Namespace) -> int:
 def _standalone(config: Config, samples: Sequence[Sample], args: argparse.Namespace) -> dict[str, dict]:
     """Each site alone with its declared share of the samples and of the open requests, so
     each is loaded as it is in the federation and each run lasts about as long."""
-    from scheduler.capacity import prior_capacity_tok_s
-
     priors = {s.name: prior_capacity_tok_s(s.gpu, s.gpus) for s in config.sites}
     out = {}
     for site in config.sites:
