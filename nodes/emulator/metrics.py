@@ -164,7 +164,9 @@ class WorkerMetrics:
         self.itl = _Histogram(ITL_BUCKETS_S)
         self.queue = _Histogram(QUEUE_BUCKETS_S)
         self.aborted_requests = 0
-        self._throughput_marks: list[tuple[float, int]] = []
+        # (when, tokens emitted): from the worker's start, so that scrapes a millisecond apart
+        # (less than one step) still average over real time instead of reading 0.
+        self._throughput_marks: list[tuple[float, int]] = [(time.monotonic(), 0)]
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
 
