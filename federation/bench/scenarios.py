@@ -36,6 +36,7 @@ PER_PROCESS_IN_FLIGHT = 15_000
 # queue at every site: Offline means every GPU always has work.
 MAX_IN_FLIGHT = 24_000
 FIRST_WAVE_S = 1.0  # requests sent this soon after the start (wall s) make up the opening burst
+START_DELAY_S = 3.0  # Server: lets every client process start before the first arrival
 # MLPerf gpt-oss-120b Server limits, GPU time.
 TTFT_LIMIT_MS = 3000.0
 TPOT_LIMIT_MS = 80.0
@@ -63,8 +64,6 @@ def server_plan(samples: Sequence[Sample], rate_per_s: float, *, speed: float, s
         plan.append(Planned(sample, due))
     return plan
 
-
-START_DELAY_S = 3.0  # lets every client process start before the first arrival
 
 
 def run_plan(endpoint: str, plan: Sequence[Planned], max_in_flight: int, label: str) -> list[Result]:
