@@ -65,7 +65,6 @@ def server_plan(samples: Sequence[Sample], rate_per_s: float, *, speed: float, s
     return plan
 
 
-
 def run_plan(endpoint: str, plan: Sequence[Planned], max_in_flight: int, label: str) -> list[Result]:
     """Send the plan, at most `max_in_flight` open at once, from as many processes as the
     file-descriptor limit asks for (each takes every k-th request, so order and arrivals hold)."""
