@@ -52,7 +52,7 @@ async def _one(pool: WorkerPool, worker: Worker) -> float | None:
         pool.session,
         worker.url,
         payload,
-        incremental=bool(worker.info and worker.info.incremental),
+        incremental=worker.incremental,
         first_token_timeout_s=PROBE_TIMEOUT_S,
         between_events_timeout_s=PROBE_TIMEOUT_S,
     )

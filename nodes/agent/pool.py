@@ -44,6 +44,11 @@ class Worker:
     info: WorkerInfo | None = None  # None until /server_info was read
 
     @property
+    def incremental(self) -> bool:
+        """Streams deltas (SGLang's --incremental-streaming-output); cumulative until known."""
+        return bool(self.info and self.info.incremental)
+
+    @property
     def has_room(self) -> bool:
         limit = self.info.max_running_requests if self.info else None
         if limit is None:

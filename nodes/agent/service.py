@@ -105,7 +105,7 @@ class SiteAgentService(wire.SiteAgentServicer):
             self.session,
             worker.url,
             payload,
-            incremental=bool(worker.info and worker.info.incremental),
+            incremental=worker.incremental,
             first_token_timeout_s=FIRST_TOKEN_TIMEOUT_S,
             between_events_timeout_s=BETWEEN_EVENTS_TIMEOUT_S,
         )
