@@ -34,7 +34,6 @@ class UnknownSite(KeyError):
 @dataclass(slots=True)
 class Site:
     registration: SiteRegistration
-    prior_capacity_tok_s: float
     estimator: CapacityEstimator
     status: SiteStatus = SiteStatus.JOINING
     last_report_at: float = 0.0
@@ -48,6 +47,11 @@ class Site:
     routed_since_registration: int = 0
     recent_routes: deque[tuple[float, int]] = field(default_factory=deque)  # (when, tokens), newest last
     routes_past_transit: int = 0  # routes that left `recent_routes` (older than IN_TRANSIT_S)
+
+    @property
+    def prior_capacity_tok_s(self) -> float:
+        """Declared: the GPU profile x GPU count the estimate started from."""
+        return self.estimator.prior_tok_s
 
     @property
     def capacity_tok_s(self) -> float:
@@ -78,7 +82,7 @@ class Registry:
         if reg.gpus < 1 or not reg.agent_address:
             raise RegistrationRefused("a site needs at least one GPU and an agent address")
         old = self.sites.get(reg.name)
-        site = Site(reg, estimator.prior_tok_s, estimator)
+        site = Site(reg, estimator)
         if old is not None:  # an agent that restarted keeps its counters and admin state
             site.routed_requests, site.draining = old.routed_requests, old.draining
         self.sites[reg.name] = site
