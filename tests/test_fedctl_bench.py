@@ -75,3 +75,23 @@ def test_server_at_a_given_rate(tmp_path: Path) -> None:
     assert report["requests_failed"] == 0, report["errors"]
     assert 0 < report["ttft_p50_ms"] <= report["ttft_p99_ms"]
     assert 0 < report["tpot_p50_ms"] <= report["tpot_p99_ms"]
+
+
+@pytest.mark.timeout(180)
+def test_sustained_offline_measures_a_window(tmp_path: Path) -> None:
+    """Sustained Offline: 8 requests kept open (each finished sample replaced at once, so the
+    12 samples are sent again and again), measured over the 20 GPU-s window after the warm-up;
+    the window's tokens are fewer than all answered tokens, and each site alone is measured the
+    same way."""
+    report = _bench(
+        tmp_path, "--requests", "12", "--max-in-flight", "8", "--sustain-s", "20", "--warmup-s", "10",
+        "--compare-standalone",
+    )  # fmt: skip
+    assert report["sustained"] == {"warmup_s": 10.0, "window_s": 20.0}
+    assert report["duration_s"] == 20.0
+    assert report["requests"] > 12 and report["requests_failed"] == 0, report["errors"]
+    answered = sum(s["output_tokens"] for s in report["per_site"].values())
+    assert 0 < report["output_tokens"] < answered
+    assert report["output_tokens_per_s"] == pytest.approx(report["output_tokens"] / 20.0, rel=1e-3)
+    assert all(run["sustained"]["window_s"] == 20.0 for run in report["standalone_runs"].values())
+    assert report["federation_efficiency"] > 0

@@ -40,7 +40,13 @@ BENCH_SPEED = 0.5
 BENCH_STREAM_CHUNK_MS = 4000.0
 DEFAULT_REQUESTS = 20_000
 BENCH_GATEWAY_PROCESSES = 2  # 24 k open requests need two processes' file descriptors
-SEARCH_STEPS = 5  # bisection steps of the Server rate search: the answer within ~3 %
+SEARCH_STEPS = 4  # bisection steps of the Server rate search: the answer within ~1 % of Offline
+# The search looks between this fraction of the Offline rate and all of it: the bar is 0.95,
+# and a rate that fails even here is reported as not meeting the limits.
+SEARCH_LOW_FRACTION = 0.85
+# A sustained run's warm-up (GPU s): more than an average answer's life at full batch
+# (~1,278 tokens × ~70 ms), so the opening burst is over and answers end at spread times.
+DEFAULT_WARMUP_S = 150.0
 
 
 def _names(allowed) -> Callable[[str], tuple[str, ...]]:
@@ -62,6 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rate", type=runtime.positive_float, default=None, help="Server: arrivals/s (GPU time); omit to search"
     )
+    p.add_argument(
+        "--sustain-s",
+        type=runtime.positive_float,
+        default=None,
+        help="Offline held loaded (every finished sample replaced at once), measured over this many GPU s after --warmup-s",
+    )
+    p.add_argument("--warmup-s", type=runtime.positive_float, default=DEFAULT_WARMUP_S, help="of a sustained run")
     p.add_argument("--policy", choices=sorted(POLICIES), default="least_expected_delay")
     p.add_argument("--compare", type=_names(POLICIES), default=(), help="more of our policies to run, comma-separated")
     p.add_argument(
@@ -117,36 +130,48 @@ def _workload(args: argparse.Namespace) -> WorkloadSpec:
 def _measure(endpoint: str, samples: Sequence[Sample], args: argparse.Namespace, speed: float, label: str) -> dict:
     """One run of the chosen scenario against `endpoint` (for Server without --rate: the search)."""
     if args.scenario == "offline":
-        results = scenarios.run_plan(endpoint, scenarios.offline_plan(samples), args.max_in_flight, label)
-        return scenarios.summarize(results, scenario="offline", policy=label, speed=speed)
+        return _offline(endpoint, samples, args, speed, label)
     if args.rate is None:
         return _search(endpoint, samples, args, speed, label)
     return _server(endpoint, samples, args, speed, label, args.rate)
 
 
+def _offline(endpoint: str, samples: Sequence[Sample], args: argparse.Namespace, speed: float, label: str) -> dict:
+    """Every sample at once, or with --sustain-s the endpoint held loaded and measured in a window."""
+    if args.sustain_s is None:
+        results = scenarios.run_plan(endpoint, scenarios.offline_plan(samples), args.max_in_flight, label)
+        return scenarios.summarize(results, scenario="offline", policy=label, speed=speed)
+    sustain = scenarios.Sustain(args.warmup_s, args.sustain_s)
+    results, window = scenarios.run_sustained(endpoint, samples, args.max_in_flight, sustain, speed, label)
+    summary = scenarios.summarize(results, scenario="offline", policy=label, speed=speed, window=window)
+    return {**summary, "sustained": {"warmup_s": sustain.warmup_s, "window_s": sustain.window_s}}
+
+
 def _server(endpoint: str, samples, args: argparse.Namespace, speed: float, label: str, rate: float) -> dict:
     plan = scenarios.server_plan(samples, rate, speed=speed, seed=args.seed)
     results = scenarios.run_plan(endpoint, plan, args.max_in_flight, f"{label} server {rate:.1f}/s")
-    summary = {**scenarios.summarize(results, scenario="server", policy=label, speed=speed), "rate": round(rate, 3)}
+    summary = {
+        **scenarios.summarize(results, scenario="server", policy=label, speed=speed),
+        "rate": round(rate, 3),
+        "served_output_tokens_per_s": round(scenarios.served_rate(results, speed), 1),
+    }
     return {**summary, "meets_limits": scenarios.meets_server_limits(summary)}
 
 
 def _search(endpoint: str, samples, args: argparse.Namespace, speed: float, label: str) -> dict[str, Any]:
-    """The highest Poisson rate meeting MLPerf's Server limits, by bisection below the Offline rate."""
-    offline_results = scenarios.run_plan(
-        endpoint, scenarios.offline_plan(samples), args.max_in_flight, f"{label} offline"
-    )
-    offline = scenarios.summarize(offline_results, scenario="offline", policy=label, speed=speed)
+    """The highest Poisson rate meeting MLPerf's Server limits, by bisection below the Offline
+    rate measured first in the same run (sustained if --sustain-s is given). Server ÷ Offline
+    compares the Server run's served rate (`scenarios.served_rate`) with Offline's."""
+    offline = _offline(endpoint, samples, args, speed, f"{label} offline")
     mean_output = sum(s.output_tokens for s in samples) / len(samples)
     hi = offline["output_tokens_per_s"] / mean_output  # no Server run can beat Offline
-    lo, best, trials = 0.5 * hi, None, []
+    lo, best, trials = SEARCH_LOW_FRACTION * hi, None, []
     for _ in range(SEARCH_STEPS):
         rate = (lo + hi) / 2
         summary = _server(endpoint, samples, args, speed, label, rate)
         ok = summary["meets_limits"]
-        trials.append(
-            {k: summary[k] for k in ("rate", "output_tokens_per_s", "ttft_p99_ms", "tpot_p99_ms")} | {"ok": ok}
-        )
+        keys = ("rate", "served_output_tokens_per_s", "output_tokens_per_s", "ttft_p99_ms", "tpot_p99_ms")
+        trials.append({k: summary[k] for k in keys} | {"ok": ok})
         if ok:
             lo, best = rate, summary
         else:
@@ -156,8 +181,9 @@ def _search(endpoint: str, samples, args: argparse.Namespace, speed: float, labe
         **result,
         "search": trials,
         "meets_limits": best is not None,
+        "offline": offline,
         "offline_output_tokens_per_s": offline["output_tokens_per_s"],
-        "server_over_offline": round(result["output_tokens_per_s"] / offline["output_tokens_per_s"], 4),
+        "server_over_offline": round(result["served_output_tokens_per_s"] / offline["output_tokens_per_s"], 4),
     }
 
 

@@ -4,6 +4,10 @@ Offline sends every sample at once (up to the client's connection budget); Serve
 them at Poisson arrival times. A run's numbers are MLPerf's: output tokens/s = tokens ÷
 time to the last completion; TPOT per sample = (latency − TTFT) ÷ (tokens − 1).
 
+Sustained Offline keeps the endpoint loaded for a set time instead (every finished sample
+replaced at once) and measures the tokens delivered over a window after a warm-up: what
+MLPerf's Offline ratio tends to as runs grow, without runs of an hour (see `window_rate`).
+
 Times are reported in GPU time: with the emulator slowed down (`--speed 0.25` runs every
 GPU 4× slower so that 32 of them fit on two cores) a wall-clock second is `speed` GPU
 seconds. Latencies are multiplied by `speed`, rates divided by it, so the numbers read as
@@ -13,6 +17,7 @@ the real GPUs would deliver them; ratios (efficiency, shares) are the same eithe
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import multiprocessing
 import random
@@ -98,6 +103,54 @@ async def _drive(endpoint: str, plan: Sequence[Planned], max_in_flight: int, lab
     return results
 
 
+@dataclass(frozen=True, slots=True)
+class Sustain:
+    """A sustained Offline run (GPU seconds): loaded for `warmup_s + window_s`, measured over
+    the window. The warm-up lets the opening burst's prefill pass and the answers' ends spread
+    out, so the window sees the mix a long run would."""
+
+    warmup_s: float
+    window_s: float
+
+
+def run_sustained(
+    endpoint: str, samples: Sequence[Sample], open_requests: int, sustain: Sustain, speed: float, label: str
+) -> tuple[list[Result], tuple[float, float]]:
+    """Keep `open_requests` samples open (cycling through `samples`) until the window ends,
+    then let the open ones finish. Returns every result and the window (time.monotonic(),
+    shared by every client process)."""
+    start = time.monotonic() + START_DELAY_S + sustain.warmup_s / speed
+    window = (start, start + sustain.window_s / speed)
+    parts = max(1, math.ceil(open_requests / PER_PROCESS_IN_FLIGHT))
+    jobs = [(endpoint, samples[i::parts], math.ceil(open_requests / parts), window[1], label, i) for i in range(parts)]
+    if parts == 1:
+        return _sustain_in_process(*jobs[0]), window
+    with multiprocessing.get_context("spawn").Pool(parts) as pool:
+        return [r for part in pool.starmap(_sustain_in_process, jobs) for r in part], window
+
+
+def _sustain_in_process(endpoint: str, samples: Sequence[Sample], lanes: int, stop_at: float, label: str, part: int):
+    return asyncio.run(_sustain(endpoint, samples, lanes, stop_at, label, part))
+
+
+async def _sustain(
+    endpoint: str, samples: Sequence[Sample], lanes: int, stop_at: float, label: str, part: int
+) -> list[Result]:
+    feed = itertools.cycle(samples)
+    results: list[Result] = []
+    async with session() as http:
+        model = await served_model(http, endpoint)
+        with tqdm(desc=f"{label} [{part}]", unit="req", position=part, mininterval=2.0) as bar:
+
+            async def lane() -> None:
+                while time.monotonic() < stop_at:
+                    results.append(await send(http, endpoint, model, next(feed)))
+                    bar.update()
+
+            await asyncio.gather(*(lane() for _ in range(lanes)))
+    return results
+
+
 def _percentile_ms(values: list[float], q: float, speed: float) -> float | None:
     if not values:
         return None
@@ -109,13 +162,13 @@ def _percentile_ms(values: list[float], q: float, speed: float) -> float | None:
 def steady_rate(results: Sequence[Result]) -> tuple[float, float]:
     """(output tokens/s, window seconds) while the client kept the endpoint fully loaded: from
     when the first wave of requests had its first tokens (the burst absorbed) to when the last
-    sample was sent (after which load only falls). Each answer's tokens are counted as spread
-    evenly between its first token and its end. A run too small to have such a window (every
-    sample sent before the first answers began) is measured whole.
+    sample was sent (after which load only falls). A run too small to have such a window
+    (every sample sent before the first answers began) is measured whole.
 
     Why beside MLPerf's tokens ÷ time to the last completion: that one needs runs much longer
     than the longest answer (10,240 tokens ≈ 12 GPU-minutes), or it measures that one answer;
-    MLPerf runs 600 s and more. Runs here are minutes, so efficiency is taken over this window."""
+    MLPerf runs 600 s and more. This window is biased too: it holds the burst's decode but
+    little of its prefill. A sustained run (`run_sustained`) measures neither way."""
     ok = [r for r in results if r.ok and r.first_token is not None]
     if not ok:
         return 0.0, 0.0
@@ -125,22 +178,46 @@ def steady_rate(results: Sequence[Result]) -> tuple[float, float]:
     end = max(r.started for r in results)
     if end <= start:  # every sample went out before the burst was absorbed: the whole run is the window
         start, end = t0, max(r.finished for r in ok)
+    return window_rate(results, (start, end)), end - start
+
+
+def window_rate(results: Sequence[Result], window: tuple[float, float]) -> float:
+    """Output tokens/s delivered within `window`, each answer's tokens counted as spread evenly
+    between its first token and its end (streams arrive in coarse chunks, so their own times
+    would say less)."""
+    start, end = window
     tokens = 0.0
-    for r in ok:
+    for r in results:
+        if not r.ok or r.first_token is None:
+            continue
         span = r.finished - r.first_token
         overlap = min(end, r.finished) - max(start, r.first_token)
         if overlap > 0:
             tokens += r.output_tokens * (overlap / span if span > 0 else 1.0)
-    return tokens / (end - start), end - start
+    return tokens / (end - start)
 
 
-def summarize(results: Sequence[Result], *, scenario: str, policy: str, speed: float) -> dict[str, Any]:
-    """The issue's JSON keys for one run (GPU time; see the module docstring)."""
+def summarize(
+    results: Sequence[Result],
+    *,
+    scenario: str,
+    policy: str,
+    speed: float,
+    window: tuple[float, float] | None = None,
+) -> dict[str, Any]:
+    """The issue's JSON keys for one run (GPU time; see the module docstring). With `window`
+    (a sustained run) the tokens, duration and rates are the window's."""
     ok = [r for r in results if r.ok]
-    start = min((r.started for r in results), default=0.0)
-    end = max((r.finished for r in ok), default=start)
+    if window is None:
+        start = min((r.started for r in results), default=0.0)
+        end = max((r.finished for r in ok), default=start)
+        tokens: float = sum(r.output_tokens for r in ok)
+        steady_tok_s, steady_window_s = steady_rate(results)
+    else:
+        start, end = window
+        steady_tok_s, steady_window_s = window_rate(results, window), end - start
+        tokens = steady_tok_s * steady_window_s
     duration_s = (end - start) * speed
-    tokens = sum(r.output_tokens for r in ok)
     ttfts = [r.first_token - r.started for r in ok if r.first_token is not None]
     tpots = [t for r in ok if (t := r.tpot_s) is not None]
     per_site: dict[str, dict[str, int]] = defaultdict(lambda: {"requests": 0, "output_tokens": 0})
@@ -151,14 +228,13 @@ def summarize(results: Sequence[Result], *, scenario: str, policy: str, speed: f
     for r in results:
         if r.error:
             errors[r.error[:120]] += 1
-    steady_tok_s, steady_window_s = steady_rate(results)
     return {
         "scenario": scenario,
         "policy": policy,
         "requests": len(results),
         "requests_ok": len(ok),
         "requests_failed": len(results) - len(ok),
-        "output_tokens": tokens,
+        "output_tokens": round(tokens),
         "duration_s": round(duration_s, 2),
         "output_tokens_per_s": round(tokens / duration_s, 1) if duration_s > 0 else 0.0,
         "steady_output_tokens_per_s": round(steady_tok_s / speed, 1),
@@ -171,6 +247,16 @@ def summarize(results: Sequence[Result], *, scenario: str, policy: str, speed: f
         "speed": speed,
         "errors": dict(errors),
     }
+
+
+def served_rate(results: Sequence[Result], speed: float) -> float:
+    """A Server run's output tokens/s as a long run would report it: the tokens of the
+    answered samples over the span their arrivals took (GPU time). Holds only when the
+    endpoint kept up, which the latency limits check; MLPerf's to-the-last-completion
+    rate would instead charge a short run the drain after its last arrival."""
+    arrivals = [r.started for r in results]
+    span_s = (max(arrivals) - min(arrivals)) * speed if len(arrivals) > 1 else 0.0
+    return sum(r.output_tokens for r in results if r.ok) / span_s if span_s > 0 else 0.0
 
 
 def meets_server_limits(summary: dict[str, Any]) -> bool:
