@@ -1,8 +1,10 @@
 """`fedctl`: run and inspect a federation.
 
 fedctl up [--config FILE] [--port 8080] [--speed X]   the embedded default, or FILE's
-fedctl status [--json] [--scheduler HOST:PORT]         the sites as the scheduler sees them
+fedctl status [--json] [--scheduler HOST:PORT]         the sites as the schedulers see them
+fedctl site drain|undrain|remove NAME                  stop new work at a site, resume it, drop it
 fedctl bench [--scenario offline|server] [--json FILE]  throughput and latency (fedctl bench -h)
+fedctl drill SCENARIO [--json FILE] [--png FILE]       a fault under load (fedctl drill -h)
 """
 
 from __future__ import annotations
@@ -12,14 +14,15 @@ import json
 import signal
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
-import grpc
-
-from federation import runtime
+from federation import admin, runtime
 from federation.bench import run as bench
 from federation.config import ConfigError, load
-from federation.embedded import Federation, fetch_state
+from federation.drills import run as drills
+from federation.embedded import Federation
 from federation.processes import StartFailed
 from scheduler.policy import POLICIES
 
@@ -38,10 +41,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     status = sub.add_parser("status", help="list the sites")
     status.add_argument("--json", action="store_true")
-    status.add_argument("--config", type=Path, default=None)
-    status.add_argument("--scheduler", default=None, help="host:port (default: from the config)")
+    _add_target(status)
+    site = sub.add_parser("site", help="drain, undrain or remove a site").add_subparsers(dest="action", required=True)
+    drain = site.add_parser("drain", help="no new work; wait until what it has is finished")
+    drain.add_argument("name")
+    drain.add_argument("--no-wait", action="store_true", help="return once every replica has it draining")
+    drain.add_argument("--timeout-s", type=runtime.positive_float, default=3600.0, help="give up waiting after this")
+    for action, text in (("undrain", "let new work go to the site again"), ("remove", "forget the site")):
+        site.add_parser(action, help=text).add_argument("name")
+    for parser in site.choices.values():
+        _add_target(parser)
     bench.add_arguments(sub.add_parser("bench", help="measure the federation, its sites alone and the peers"))
+    drills.add_arguments(sub.add_parser("drill", help="inject a fault under load and measure what it cost"))
     return p.parse_args(argv)
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, default=None)
+    p.add_argument(
+        "--scheduler", action="append", default=None, help="host:port of a replica, repeatable (default: the config's)"
+    )
+
+
+def _schedulers(args: argparse.Namespace) -> list[str]:
+    return args.scheduler or list(load(args.config).scheduler_addresses)
 
 
 def _interrupt(*_: object) -> None:
@@ -57,11 +80,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         endpoint = f"http://{config.host}:{config.gateway_port}/v1"
         runtime.announce_ready(endpoint=endpoint, sites=[s.name for s in config.sites], speed=config.speed)
         print(f"federation ready: {endpoint}  (fedctl status; Ctrl-C stops it)", file=sys.stderr, flush=True)
+        reported: set[str] = set()
         while True:
             time.sleep(0.5)
-            dead = [c.name for c in federation.children if not c.alive()]
-            if dead:
-                print(f"fedctl: {', '.join(dead)} exited; stopping the federation", file=sys.stderr)
+            dead = {c.name for c in federation.children if not c.alive()}
+            for name in sorted(dead - reported):  # a site or a scheduler replica may die: the rest serve on
+                print(f"fedctl: {name} exited; the federation serves on without it", file=sys.stderr, flush=True)
+            reported = dead
+            gateways = [c.name for c in federation.children if c.name.startswith("gateway")]
+            if all(name in dead for name in gateways):
+                print("fedctl: the gateway exited; stopping the federation", file=sys.stderr)
                 return 1
     except KeyboardInterrupt:
         return 0
@@ -94,11 +122,15 @@ SITE_COLUMNS = (
 
 def cmd_status(args: argparse.Namespace) -> int:
     config = load(args.config)
-    scheduler = args.scheduler or f"{config.host}:{config.scheduler_port}"
-    try:
-        state = fetch_state(scheduler)
-    except grpc.RpcError as exc:
-        print(f"fedctl: scheduler {scheduler} unreachable: {exc.code().name}", file=sys.stderr)
+    addresses = args.scheduler or list(config.scheduler_addresses)
+    state, replicas = admin.replicas_state(addresses)
+    if state is None:
+        gateway = _gateway_health(config)
+        print(f"fedctl: no scheduler replica reachable ({', '.join(addresses)})", file=sys.stderr)
+        if gateway.get("status") == "degraded":
+            print("fedctl: degraded: the gateway routes from the last state it saw", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"schedulers": replicas, "degraded": True, "gateway": gateway}, indent=2))
         return 1
     rows = [
         {
@@ -120,32 +152,76 @@ def cmd_status(args: argparse.Namespace) -> int:
         for s in state.sites
     ]
     if args.json:
-        print(json.dumps({"model": state.model, "sites": rows}, indent=2))
+        print(json.dumps({"model": state.model, "sites": rows, "schedulers": replicas, "degraded": False}, indent=2))
         return 0
     widths = {c: max([len(c), *(len(str(r[c])) for r in rows)]) for c in SITE_COLUMNS}
     print("  ".join(c.ljust(widths[c]) for c in SITE_COLUMNS))
     for r in rows:
         print("  ".join(str(r[c]).ljust(widths[c]) for c in SITE_COLUMNS))
+    print("schedulers: " + ", ".join(f"{a} {status}" for a, status in replicas.items()))
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: every process the bench started stops too
+def _gateway_health(config) -> dict:
+    """The gateway's own view (/health), for when no scheduler answers."""
+    url = f"http://{config.host}:{config.gateway_port}/health"
     try:
-        return bench.main(args)
+        with urllib.request.urlopen(url, timeout=admin.ADMIN_TIMEOUT_S) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read() or b"{}")
+    except (OSError, ValueError) as exc:
+        return {"status": "unreachable", "reason": str(exc)}
+
+
+def cmd_site(args: argparse.Namespace) -> int:
+    addresses = _schedulers(args)
+    try:
+        if args.action == "remove":
+            done = admin.remove(addresses, args.name)
+            print(f"{args.name}: removed at {', '.join(done)}")
+            return 0
+        done = admin.drain(addresses, args.name, draining=args.action == "drain")
+        print(f"{args.name}: {'draining' if args.action == 'drain' else 'taking new work'} at {', '.join(done)}")
+        if args.action == "undrain" or args.no_wait:
+            return 0
+
+        def show(in_flight: int) -> None:
+            print(f"{args.name}: {in_flight} requests in flight", file=sys.stderr, flush=True)
+
+        if admin.wait_empty(addresses, args.name, args.timeout_s, show):
+            print(f"{args.name}: drained, no request in flight")
+            return 0
+        print(f"fedctl: {args.name} still has requests in flight after {args.timeout_s:.0f} s", file=sys.stderr)
+        return 1
+    except LookupError as exc:
+        print(f"fedctl: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    except admin.NoReplica as exc:
+        print(f"fedctl: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+    """bench and drill: long runs that start their own federation."""
+    signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: every process the run started stops too
+    try:
+        return bench.main(args) if args.command == "bench" else drills.main(args)
     except KeyboardInterrupt:
-        print("fedctl bench: interrupted", file=sys.stderr)
+        print(f"fedctl {args.command}: interrupted", file=sys.stderr)
         return 130
     except StartFailed as exc:
-        print(f"fedctl bench: {exc}", file=sys.stderr)
+        print(f"fedctl {args.command}: {exc}", file=sys.stderr)
         return 1
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.command == "bench":
-            return cmd_bench(args)
+        if args.command in ("bench", "drill"):
+            return cmd_measure(args)
+        if args.command == "site":
+            return cmd_site(args)
         return cmd_up(args) if args.command == "up" else cmd_status(args)
     except ConfigError as exc:
         print(f"fedctl: {exc}", file=sys.stderr)

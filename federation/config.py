@@ -1,6 +1,6 @@
 """One frozen Config for a federation, from a YAML file or the built-in default.
 
-The default is DESIGN.md's embedded federation: a scheduler and the gateway in
+The default is DESIGN.md's embedded federation: two scheduler replicas and the gateway in
 us-west-2, 16 emulated MI300X in Korea and 16 emulated MI355X in Oregon, ~130 ms apart.
 """
 
@@ -22,7 +22,7 @@ model: openai/gpt-oss-120b
 host: 127.0.0.1
 speed: 1.0
 gateway: {port: 8080, region: us-west-2}
-scheduler: {port: 50051, region: us-west-2}
+scheduler: {port: 50051, region: us-west-2, replicas: 2}
 links:
   - {between: [ap-northeast-2, us-west-2], rtt_ms: 130}
 sites:
@@ -54,7 +54,7 @@ class Config:
     speed: float
     gateway_port: int
     gateway_region: str
-    scheduler_port: int
+    scheduler_port: int  # the first replica's; replica i listens on scheduler_port + i
     scheduler_region: str
     policy: str = "least_expected_delay"
     # How often emulated workers send a stream event (emulated ms). First token and finish are
@@ -66,6 +66,11 @@ class Config:
     ttft_budget_ms: float = 0.0  # gateway latency mode when > 0 (see federation/gateway/admission.py)
     rtt_ms: dict[tuple[str, str], float] = field(default_factory=dict)  # both orders present
     sites: tuple[SiteConfig, ...] = ()
+    scheduler_replicas: int = 1  # active-active: any of them can decide, agents report to all
+
+    @property
+    def scheduler_addresses(self) -> tuple[str, ...]:
+        return tuple(f"{self.host}:{self.scheduler_port + i}" for i in range(self.scheduler_replicas))
 
     def rtt_between(self, a: str, b: str) -> float:
         return 0.0 if a == b else self.rtt_ms.get((a, b), 0.0)
@@ -149,6 +154,10 @@ def parse(text: str, source: str = "config") -> Config:
     if not sites:
         raise ConfigError(f"{source}: at least one site is needed")
     processes = _need(gateway, "processes", int, f"{source}: gateway") if "processes" in gateway else 1
+    replicas = _need(scheduler, "replicas", int, f"{source}: scheduler") if "replicas" in scheduler else 1
+    if replicas < 1:
+        raise ConfigError(f"{source}: scheduler.replicas must be >= 1")
+    _port(scheduler.get("port", 50051) + replicas - 1, f"{source}: scheduler (the last replica)")
     budget = gateway.get("ttft_budget_ms", 0.0)
     if isinstance(budget, bool) or not isinstance(budget, int | float) or budget < 0:
         raise ConfigError(f"{source}: gateway.ttft_budget_ms must be a number >= 0")
@@ -174,6 +183,7 @@ def parse(text: str, source: str = "config") -> Config:
         ttft_budget_ms=float(budget),
         rtt_ms=rtt,
         sites=tuple(sites),
+        scheduler_replicas=replicas,
     )
 
 

@@ -13,11 +13,11 @@ from typing import IO
 import grpc
 
 from federation import wire
+from federation.admin import fetch_state
 from federation.config import Config
 from federation.processes import Child, StartFailed, free_port_block, start_python
 
 READY_WAIT_S = 60.0  # sites must report ready within this long after their agents start
-STATUS_TIMEOUT_S = 3.0
 
 
 class Federation:
@@ -27,6 +27,10 @@ class Federation:
         self.config = config
         self.log = log  # where the processes' log lines go (default: our stderr)
         self.children: list[Child] = []
+
+    def child(self, name: str) -> Child:
+        """The process started as `name` ("scheduler 0", "agent kr-mi300x", "gateway", ...)."""
+        return next(c for c in self.children if c.name == name)
 
     def _start(self, name: str, module: str, args: list[str]) -> Child:
         child = start_python(name, module, args, log=self.log)
@@ -46,15 +50,19 @@ class Federation:
 
     def up(self) -> None:
         c = self.config
-        scheduler = f"{c.host}:{c.scheduler_port}"
         rtt_args = [f"--rtt-ms={a}:{b}={ms}" for (a, b), ms in c.rtt_ms.items() if a < b]
-        scheduler_args = ["--host", c.host, "--port", str(c.scheduler_port), "--model", c.model, "--policy", c.policy]
-        self._start("scheduler", "scheduler", [*scheduler_args, *rtt_args])
+        for i in range(c.scheduler_replicas):
+            port = c.scheduler_port + i
+            scheduler_args = ["--host", c.host, "--port", str(port), "--model", c.model, "--policy", c.policy]
+            self._start(f"scheduler {i}", "scheduler", [*scheduler_args, *rtt_args])
         for site in c.sites:
-            to_scheduler, advertise = scheduler, f"{c.host}:{site.agent_port}"
+            to_schedulers, advertise = list(c.scheduler_addresses), f"{c.host}:{site.agent_port}"
             rtt = c.rtt_between(site.region, c.scheduler_region)
             if rtt:
-                to_scheduler = self._link(f"link {site.name}->scheduler", c.scheduler_port, rtt)
+                to_schedulers = [
+                    self._link(f"link {site.name}->scheduler {i}", c.scheduler_port + i, rtt)
+                    for i in range(c.scheduler_replicas)
+                ]
             rtt = c.rtt_between(site.region, c.gateway_region)
             if rtt:
                 advertise = self._link(f"link gateway->{site.name}", site.agent_port, rtt)
@@ -78,8 +86,7 @@ class Federation:
                     str(site.agent_port),
                     "--advertise",
                     advertise,
-                    "--scheduler",
-                    to_scheduler,
+                    *[arg for address in to_schedulers for arg in ("--scheduler", address)],
                     "--emulate",
                     "--speed",
                     str(c.speed),
@@ -88,22 +95,27 @@ class Federation:
                     *(["--emulator-port", str(site.worker_port)] if site.worker_port else []),
                 ],
             )
-        gateway_args = ["--host", c.host, "--port", str(c.gateway_port), "--scheduler", scheduler, "--model", c.model]
+        gateway_args = ["--host", c.host, "--port", str(c.gateway_port), "--model", c.model, "--policy", c.policy]
+        gateway_args += [arg for address in c.scheduler_addresses for arg in ("--scheduler", address)]
         gateway_args += ["--ttft-budget-ms", str(c.ttft_budget_ms)]
         shared = ["--reuse-port"] if c.gateway_processes > 1 else []
         for i in range(c.gateway_processes):
             self._start(f"gateway {i}" if shared else "gateway", "federation.gateway", [*gateway_args, *shared])
-        self._wait_sites_ready(scheduler)
+        self._wait_sites_ready()
 
-    def _wait_sites_ready(self, scheduler: str) -> None:
+    def _wait_sites_ready(self) -> None:
+        """Every site ready at every scheduler replica."""
         wanted = {s.name for s in self.config.sites}
         deadline = time.monotonic() + READY_WAIT_S
         while time.monotonic() < deadline:
             try:
-                ready = {s.name for s in fetch_state(scheduler).sites if s.status is wire.SiteStatus.READY}
+                everywhere = [
+                    {s.name for s in fetch_state(address).sites if s.status is wire.SiteStatus.READY}
+                    for address in self.config.scheduler_addresses
+                ]
             except grpc.RpcError:
-                ready = set()
-            if wanted <= ready:
+                everywhere = [set()]
+            if all(wanted <= ready for ready in everywhere):
                 return
             dead = [c.name for c in self.children if not c.alive()]
             if dead:
@@ -114,12 +126,6 @@ class Federation:
     def down(self) -> None:
         for child in reversed(self.children):
             child.stop()
-
-
-def fetch_state(scheduler: str) -> wire.FederationState:
-    with grpc.insecure_channel(scheduler) as channel:
-        stub = wire.SchedulerStub(channel)
-        return wire.federation_state_from_pb(stub.GetState(wire.state_request_to_pb(), timeout=STATUS_TIMEOUT_S))
 
 
 @contextmanager

@@ -269,6 +269,10 @@ def site_ref_from_pb(m: pb.SiteRef) -> str:
     return m.site
 
 
+def site_ref_to_pb(site: str) -> pb.SiteRef:
+    return pb.SiteRef(site=site)
+
+
 def state_request_from_pb(m: pb.StateRequest) -> float:
     return m.interval_s
 

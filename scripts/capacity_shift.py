@@ -25,10 +25,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from federation.admin import fetch_state
 from federation.bench import scenarios
 from federation.bench.run import bench_config
 from federation.bench.workload import LengthDistribution, WorkloadSpec
-from federation.embedded import fetch_state, running
+from federation.embedded import running
 from federation.processes import free_port_block
 
 MI355X_OVER_MI300X = 4.08  # the emulator's calibrated ratio (docs/BENCHMARKS.md, fidelity)

@@ -28,13 +28,17 @@ MODEL = "openai/gpt-oss-120b"
 GPUS = 4
 
 
-def _config(tmp: Path, sites: list[tuple[str, str, str]]) -> tuple[Path, dict]:
-    ports = {"gateway": free_port_block(1), "scheduler": free_port_block(1)}
+def _config(
+    tmp: Path, sites: list[tuple[str, str, str]], *, speed: float = 10, scheduler: str = ""
+) -> tuple[Path, dict]:
+    """A small federation's YAML; `scheduler` adds keys to its scheduler section (replicas, policy)."""
+    replicas = 2 if "replicas: 2" in scheduler else 1
+    ports = {"gateway": free_port_block(1), "scheduler": free_port_block(replicas)}
     lines = [
         f"model: {MODEL}",
-        "speed: 10",
+        f"speed: {speed}",
         f"gateway: {{port: {ports['gateway']}, region: us-west-2}}",
-        f"scheduler: {{port: {ports['scheduler']}, region: us-west-2}}",
+        f"scheduler: {{port: {ports['scheduler']}, region: us-west-2{', ' + scheduler if scheduler else ''}}}",
         "links:",
         "  - {between: [ap-northeast-2, us-west-2], rtt_ms: 130}",
         "sites:",

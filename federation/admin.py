@@ -1,0 +1,88 @@
+"""Operator actions on every scheduler replica: state, drain, undrain, remove.
+
+Replicas are active-active with soft state, so an admin action goes to each one that
+answers; the state is read from the first that answers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from federation import wire
+
+ADMIN_TIMEOUT_S = 3.0
+DRAIN_POLL_S = 0.5
+
+
+class NoReplica(RuntimeError):
+    """No scheduler replica answered."""
+
+
+def fetch_state(scheduler: str) -> wire.FederationState:
+    with grpc.insecure_channel(scheduler) as channel:
+        stub = wire.SchedulerStub(channel)
+        return wire.federation_state_from_pb(stub.GetState(wire.state_request_to_pb(), timeout=ADMIN_TIMEOUT_S))
+
+
+def replicas_state(addresses: Sequence[str]) -> tuple[wire.FederationState | None, dict[str, str]]:
+    """The first answering replica's state (None if none answers), and every replica's status."""
+    state, reachable = None, {}
+    for address in addresses:
+        try:
+            seen = fetch_state(address)
+        except grpc.RpcError as exc:
+            reachable[address] = f"unreachable ({exc.code().name})"
+            continue
+        reachable[address] = "ok"
+        state = state or seen
+    return state, reachable
+
+
+def _on_each(addresses: Sequence[str], call: Callable[[wire.SchedulerStub], object]) -> list[str]:
+    """Run `call` on every replica; returns the ones that took it. NOT_FOUND is raised."""
+    done = []
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            try:
+                call(wire.SchedulerStub(channel))
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    raise LookupError(exc.details()) from None
+                continue
+            done.append(address)
+    if not done:
+        raise NoReplica(f"no scheduler replica answered: {', '.join(addresses)}")
+    return done
+
+
+def drain(addresses: Sequence[str], site: str, draining: bool = True) -> list[str]:
+    ref = wire.site_ref_to_pb(site)
+    if draining:
+        return _on_each(addresses, lambda stub: stub.DrainSite(ref, timeout=ADMIN_TIMEOUT_S))
+    return _on_each(addresses, lambda stub: stub.UndrainSite(ref, timeout=ADMIN_TIMEOUT_S))
+
+
+def remove(addresses: Sequence[str], site: str) -> list[str]:
+    ref = wire.site_ref_to_pb(site)
+    return _on_each(addresses, lambda stub: stub.RemoveSite(ref, timeout=ADMIN_TIMEOUT_S))
+
+
+def wait_empty(addresses: Sequence[str], site: str, timeout_s: float, on_poll: Callable[[int], None]) -> bool:
+    """Poll until the draining site has no request in flight; False if `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state, _ = replicas_state(addresses)
+        if state is None:
+            raise NoReplica("no scheduler replica answered")
+        sites = {s.name: s for s in state.sites}
+        if site not in sites:
+            raise LookupError(f"no site named {site!r}")
+        in_flight = sites[site].outstanding_requests
+        on_poll(in_flight)
+        if in_flight == 0:
+            return True
+        time.sleep(DRAIN_POLL_S)
+    return False
