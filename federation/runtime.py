@@ -26,6 +26,10 @@ GRPC_SERVER_OPTIONS = (
     ("grpc.server.max_pending_requests", 50_000),
     ("grpc.server.max_pending_requests_hard_limit", 100_000),
     ("grpc.server_max_unrequested_time_in_server", 1800),  # seconds: as long as a first token may take
+    # Gateways ping their agents every second to find a silent partition (gateway/upstream.py):
+    # such pings must not count as abuse (by default a server answers them with GOAWAY).
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+    ("grpc.http2.max_ping_strikes", 0),
 )
 
 

@@ -1,4 +1,4 @@
-"""`python -m federation.gateway --port 8080 --scheduler 127.0.0.1:50051`"""
+"""`python -m federation.gateway --port 8080 --scheduler 127.0.0.1:50051 --scheduler 127.0.0.1:50052`"""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from aiohttp import web
 
 from federation import runtime, tokens
 from federation.gateway.app import GatewayConfig, build_app
+from federation.gateway.failover import RETRY_BUDGET_S, FailoverConfig
+from scheduler.policy import POLICIES
 
 log = structlog.get_logger("gateway")
 SHUTDOWN_GRACE_S = 5.0  # open streams get this long at shutdown (fedctl waits 10 s)
@@ -19,7 +21,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m federation.gateway", description="The federation's endpoint.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--scheduler", required=True, help="host:port of a scheduler")
+    p.add_argument(
+        "--scheduler", action="append", required=True, help="host:port of a scheduler replica; repeat for each"
+    )
     p.add_argument("--model", default="openai/gpt-oss-120b")
     p.add_argument("--reuse-port", action="store_true", help="share the port with other gateway processes")
     p.add_argument(
@@ -29,14 +33,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="latency mode: hold or refuse (429) requests no site can start within this (0: throughput mode)",
     )
     p.add_argument("--max-held", type=int, default=10_000, help="requests held for a site in latency mode, at most")
+    p.add_argument(
+        "--retry-budget-s",
+        type=runtime.positive_float,
+        default=RETRY_BUDGET_S,
+        help="how long a request may wait for another site after a failure",
+    )
+    p.add_argument("--no-resume", action="store_true", help="fail a stream cut mid-answer instead of resuming it")
+    p.add_argument("--policy", choices=sorted(POLICIES), default="least_expected_delay", help="for degraded mode")
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> int:
     tokens.count("warm up")  # load the tokenizer before the first request pays for it
-    app = build_app(
-        GatewayConfig(args.scheduler, args.model, ttft_budget_ms=args.ttft_budget_ms, max_held=args.max_held)
+    failover = FailoverConfig(retry_budget_s=args.retry_budget_s, resume=not args.no_resume)
+    config = GatewayConfig(
+        tuple(args.scheduler),
+        args.model,
+        ttft_budget_ms=args.ttft_budget_ms,
+        max_held=args.max_held,
+        failover=failover,
+        policy=args.policy,
     )
+    app = build_app(config)
     # Cancel a handler when its client disconnects, so the site's work is aborted too.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()

@@ -19,7 +19,7 @@ import time
 
 from federation import wire
 from federation.errors import BadRequest, TooBusy
-from federation.gateway.upstream import Upstream
+from federation.gateway.schedulers import Schedulers
 
 HOLD_POLL_S = 0.05  # how often a held request asks again: a slot frees every few ms at MLPerf load
 BUDGET_HEADER = "X-TTFT-Budget-Ms"
@@ -39,23 +39,23 @@ def budget_s(header: str | None, default_ms: float) -> float | None:
 
 
 class Admission:
-    def __init__(self, upstream: Upstream, max_held: int) -> None:
-        self.upstream = upstream
+    def __init__(self, schedulers: Schedulers, max_held: int) -> None:
+        self.schedulers = schedulers
         self.max_held = max_held
         self.held = 0  # requests waiting here for a site that can meet their budget
 
     async def route(self, req: wire.RouteRequest, budget: float | None) -> wire.RouteDecision:
         if budget is None:
-            return await self.upstream.route(req)
+            return await self.schedulers.route(req)
         deadline = time.monotonic() + budget
         probe = dataclasses.replace(req, dry_run=True)
         holding = False
         try:
             while True:
-                best = await self.upstream.route(probe)
+                best = await self.schedulers.route(probe)
                 left = deadline - time.monotonic()
                 if best.expected_delay_s <= left:
-                    return await self.upstream.route(req)
+                    return await self.schedulers.route(req)
                 retry_after = max(1, math.ceil(best.expected_delay_s))
                 if left <= HOLD_POLL_S:
                     raise TooBusy(

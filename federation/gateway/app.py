@@ -1,8 +1,10 @@
 """The one endpoint: OpenAI's API and SGLang's /generate over the whole federation.
 
-A request is checked (`jobs`), routed once by a scheduler, then streamed from the
-chosen site's agent and relayed to the client (`responses`). The request id is bound
-at entry and travels to the scheduler, the agent and the worker (as SGLang's rid).
+A request is checked (`jobs`), routed by a scheduler replica (`schedulers`), then streamed
+from the chosen site's agent (`upstream`) — from another site if that one fails
+(`failover`) — and relayed to the client (`responses`). The request id is bound at entry
+and travels to the scheduler and the agent; one `request.done` line per request says how
+it went.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import orjson
@@ -20,10 +23,12 @@ import structlog
 from aiohttp import web
 
 from federation import wire
-from federation.errors import BadRequest, FederationError, TooBusy, UpstreamFailed
-from federation.gateway import admission, jobs
+from federation.errors import BadRequest, FederationError, TooBusy
+from federation.gateway import admission, jobs, metrics
 from federation.gateway.admission import Admission
+from federation.gateway.failover import FailoverConfig, Generation, SiteBreakers
 from federation.gateway.responses import Answer
+from federation.gateway.schedulers import Schedulers
 from federation.gateway.upstream import Upstream
 
 log = structlog.get_logger("gateway")
@@ -32,16 +37,20 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    scheduler_address: str
+    scheduler_addresses: tuple[str, ...]  # the replicas, asked in this order
     model: str = "openai/gpt-oss-120b"
     context_tokens: int = 131_072
     ttft_budget_ms: float = 0.0  # latency mode when > 0 (a request's X-TTFT-Budget-Ms overrides it)
     max_held: int = 10_000  # requests held for a site that can meet their budget, at most
+    failover: FailoverConfig = field(default_factory=FailoverConfig)
+    policy: str = "least_expected_delay"  # what degraded mode decides with
 
 
 CONFIG_KEY = web.AppKey("config", GatewayConfig)
 UPSTREAM_KEY = web.AppKey("upstream", Upstream)
+SCHEDULERS_KEY = web.AppKey("schedulers", Schedulers)
 ADMISSION_KEY = web.AppKey("admission", Admission)
+BREAKERS_KEY = web.AppKey("breakers", SiteBreakers)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -84,7 +93,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
 
 
 async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web.StreamResponse:
-    config, upstream = request.app[CONFIG_KEY], request.app[UPSTREAM_KEY]
+    app, config = request.app, request.app[CONFIG_KEY]
     request_id = _request_id(request)
     budget = admission.budget_s(request.headers.get(admission.BUDGET_HEADER), config.ttft_budget_ms)
     job = make_job(
@@ -93,19 +102,24 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
     bound = log.bind(request_id=request_id, kind=job.kind, stream=job.stream)
     started = time.monotonic()
     outcome, answer, ttft_ms, error = "error", Answer(job), None, None
-    chunks = None
+    route = wire.RouteRequest(
+        request_id, job.request.prompt_tokens, job.max_tokens, request.headers.get("X-Client-Region", "")
+    )
+    generation = Generation(
+        job,
+        route,
+        partial(app[ADMISSION_KEY].route, budget=budget),
+        app[SCHEDULERS_KEY],
+        app[UPSTREAM_KEY],
+        app[BREAKERS_KEY],
+        config.failover,
+    )
+    chunks = generation.chunks()
     try:
-        route = wire.RouteRequest(
-            request_id, job.request.prompt_tokens, job.max_tokens, request.headers.get("X-Client-Region", "")
-        )
-        decision = await request.app[ADMISSION_KEY].route(route, budget)
-        chunks = upstream.generate(decision.agent_address, job.request)
-        first = await anext(chunks, None)
-        if first is None:
-            raise UpstreamFailed(f"site {decision.site} ended the stream before the first token")
+        first = await anext(chunks)
         ttft_ms = (time.monotonic() - started) * 1000
         answer.add(first)
-        headers = {"X-Request-Id": request_id, "X-Federation-Site": decision.site}
+        headers = {"X-Request-Id": request_id, "X-Federation-Site": first.site}
         if not job.stream:
             async for chunk in chunks:
                 answer.add(chunk)
@@ -121,16 +135,19 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         error = exc.message
         raise
     finally:
-        if chunks is not None:
-            await chunks.aclose()  # cancels the site's Generate if it is still running
+        await chunks.aclose()  # cancels the site's Generate if it is still running
+        metrics.request_done(outcome, generation.retries, generation.resumed)
         bound.info(
             "request.done",
             site=answer.site,
+            sites=generation.sites,
             outcome=outcome,
             error=error,
             ttft_ms=ttft_ms,
             output_tokens=answer.completion_tokens,
             prompt_tokens=job.request.prompt_tokens,
+            retries=generation.retries,
+            resumed=generation.resumed,
             latency_ms=round((time.monotonic() - started) * 1000, 1),
         )
 
@@ -185,13 +202,26 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 when a scheduler answers and at least one site is ready; 503 otherwise."""
-    try:
-        state = await request.app[UPSTREAM_KEY].state()
-    except FederationError as exc:
-        return _json({"status": "unavailable", "reason": exc.message}, 503)
+    """200 while requests can be served: "ok" with a scheduler, "degraded" when no scheduler
+    replica answers and routes come from the last state seen; 503 when no site is ready."""
+    schedulers = request.app[SCHEDULERS_KEY]
+    state = schedulers.state
+    if state is None:
+        try:
+            state = await schedulers.get_state()
+        except FederationError as exc:
+            return _json({"status": "unavailable", "reason": exc.message}, 503)
     ready = [s.name for s in state.sites if s.status is wire.SiteStatus.READY and s.healthy_workers > 0]
-    return _json({"status": "ok" if ready else "no_ready_site", "ready_sites": ready}, 200 if ready else 503)
+    body = {
+        "status": "degraded" if schedulers.degraded else "ok",
+        "scheduler": schedulers.watching,
+        "schedulers": list(schedulers.addresses),
+        "state_age_s": round(time.monotonic() - schedulers.state_at, 3) if schedulers.state_at else None,
+        "ready_sites": ready,
+    }
+    if not ready:
+        return _json({**body, "status": "no_ready_site"}, 503)
+    return _json(body)
 
 
 def build_app(config: GatewayConfig) -> web.Application:
@@ -199,9 +229,13 @@ def build_app(config: GatewayConfig) -> web.Application:
     app[CONFIG_KEY] = config
 
     async def upstream_ctx(app: web.Application):
-        app[UPSTREAM_KEY] = Upstream(config.scheduler_address)
-        app[ADMISSION_KEY] = admission.Admission(app[UPSTREAM_KEY], config.max_held)
+        app[UPSTREAM_KEY] = Upstream()
+        app[SCHEDULERS_KEY] = Schedulers(list(config.scheduler_addresses), config.policy)
+        app[SCHEDULERS_KEY].start()
+        app[ADMISSION_KEY] = admission.Admission(app[SCHEDULERS_KEY], config.max_held)
+        app[BREAKERS_KEY] = SiteBreakers()
         yield
+        await app[SCHEDULERS_KEY].close()
         await app[UPSTREAM_KEY].close()
 
     app.cleanup_ctx.append(upstream_ctx)
@@ -210,4 +244,5 @@ def build_app(config: GatewayConfig) -> web.Application:
     app.router.add_post("/generate", generate)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics.handler)
     return app

@@ -1,4 +1,4 @@
-"""The gateway's gRPC clients: ask a scheduler for a site, then stream from that site's agent.
+"""The gateway's gRPC client of the sites' agents: one generation's chunks from one site.
 
 Channels are created once, inside the running loop, and kept; gRPC status codes become
 the federation's errors here, so the HTTP layer sees one error tree.
@@ -10,23 +10,23 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 from federation import wire
-from federation.errors import BadRequest, NoCapacity, UpstreamFailed
+from federation.errors import BadRequest, UpstreamFailed
 
-# A decision takes the scheduler milliseconds, but an Offline burst (~24 k requests at once)
-# keeps the gateway's own loop busy for seconds before it reads the answer: each attempt
-# gets this long, and a timed-out or refused attempt is retried, with jitter, for up to
-# ROUTE_BUDGET_S before the client is told no site is available.
-ROUTE_TIMEOUT_S = 10.0
-ROUTE_BUDGET_S = 30.0
-ROUTE_RETRY_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
 # The agent bounds its own waits on the worker (30 min to the first token, 60 s between
 # events); these are a little longer, so the agent's clearer error arrives first.
 FIRST_CHUNK_TIMEOUT_S = 1900.0
 BETWEEN_CHUNKS_TIMEOUT_S = 90.0
-STATE_TIMEOUT_S = 2.0
+# A site that crashed or was cut off resets its connections, and its streams fail at once. One
+# whose packets just stop (a partition that drops them) is found by HTTP/2 pings: unanswered
+# for KEEPALIVE_TIMEOUT_MS, every stream on the connection fails and its requests move on.
+KEEPALIVE_OPTIONS = (
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
 
 
 def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
@@ -34,46 +34,18 @@ def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
 
 
 class Upstream:
-    def __init__(self, scheduler_address: str) -> None:
-        self.scheduler_address = scheduler_address
-        self._scheduler_channel = grpc.aio.insecure_channel(scheduler_address)
-        self._scheduler = wire.SchedulerStub(self._scheduler_channel)
+    """Channels to the sites' agents, one per address, kept for the gateway's life."""
+
+    def __init__(self) -> None:
         self._agents: dict[str, tuple[grpc.aio.Channel, wire.SiteAgentStub]] = {}
 
     async def close(self) -> None:
-        await self._scheduler_channel.close()
         for channel, _ in self._agents.values():
             await channel.close()
 
-    async def route(self, req: wire.RouteRequest) -> wire.RouteDecision:
-        retrying = AsyncRetrying(
-            retry=retry_if_exception(lambda e: isinstance(e, grpc.aio.AioRpcError) and e.code() in ROUTE_RETRY_CODES),
-            wait=wait_random_exponential(multiplier=0.05, max=2.0),
-            stop=stop_after_delay(ROUTE_BUDGET_S),
-            reraise=True,
-        )
-        message = wire.route_request_to_pb(req)
-
-        async def attempt():  # a coroutine: tenacity would hand back grpc's call object unawaited
-            return await self._scheduler.Route(message, timeout=ROUTE_TIMEOUT_S, metadata=_metadata(req.request_id))
-
-        try:
-            pb = await retrying(attempt)
-        except grpc.aio.AioRpcError as exc:
-            raise NoCapacity(f"no site available: {exc.details() or exc.code().name}") from None
-        return wire.decision_from_pb(pb)
-
-    async def state(self) -> wire.FederationState:
-        try:
-            return wire.federation_state_from_pb(
-                await self._scheduler.GetState(wire.state_request_to_pb(), timeout=STATE_TIMEOUT_S)
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise NoCapacity(f"scheduler unreachable: {exc.code().name}") from None
-
     def _agent(self, address: str) -> wire.SiteAgentStub:
         if address not in self._agents:
-            channel = grpc.aio.insecure_channel(address)
+            channel = grpc.aio.insecure_channel(address, options=KEEPALIVE_OPTIONS)
             self._agents[address] = (channel, wire.SiteAgentStub(channel))
         return self._agents[address][1]
 

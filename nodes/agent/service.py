@@ -174,11 +174,11 @@ class SiteAgentService(wire.SiteAgentServicer):
             )
 
     async def Abort(self, request, context):
-        rid = wire.abort_request_from_pb(request)
-        worker = self._in_flight.get(rid)
-        if worker is not None:
+        entry = self._in_flight.get(wire.abort_request_from_pb(request))
+        if entry is not None:
+            worker, rid = entry
             await sglang.abort(self.session, worker.url, rid)
-        return wire.abort_reply_to_pb(worker is not None)
+        return wire.abort_reply_to_pb(entry is not None)
 
     def report(self) -> wire.SiteReport:
         stats = [w.stats for w in self.pool.workers if w.healthy and w.stats is not None]

@@ -1,0 +1,252 @@
+"""One generation across as many sites as it takes: retry before the first token, resume after.
+
+Before the client has a token, a failed site is simply replaced: the request is routed again,
+without the sites that failed it and without sites whose circuit is open, with jittered
+backoff, until its retry budget is spent. After the first token, the answer is resumed:
+another site continues from the prompt plus the tokens already sent (as token ids, so
+nothing is tokenised twice), with the rest of the token budget. The client's stream goes on
+where it stopped and its token count continues, so usage stays exact.
+
+Limits, by design: structured output (`json_schema`, `regex`, `ebnf`) is not resumed, since
+its grammar would restart mid-answer; such a request fails clearly instead. A stop string
+that straddles the cut is not matched. Sampling after the cut is the new site's (the answer
+is a valid continuation, not the one the first site would have written).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import structlog
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
+
+from federation import tokens, wire
+from federation.errors import NoCapacity, UpstreamFailed
+from federation.gateway.jobs import Job
+from federation.gateway.schedulers import Schedulers
+from federation.gateway.upstream import Upstream
+
+log = structlog.get_logger("gateway")
+
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # what a /generate without max_new_tokens gets
+STRUCTURED_OUTPUT_PARAMS = ("json_schema", "regex", "ebnf")
+
+
+# How long a request may wait for a site that serves it, from its arrival or from a failure:
+# long enough to ride out a site's loss and the schedulers noticing it (~1 s), and a restart.
+RETRY_BUDGET_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class FailoverConfig:
+    retry_budget_s: float = RETRY_BUDGET_S
+    resume: bool = True  # continue a stream cut mid-answer on another site
+    max_resumes: int = 4  # per request: a request that breaks every site it lands on is the problem
+
+
+@dataclass(slots=True)
+class SiteBreakers:
+    """Per-site circuit breakers, on the sites' own faults only (broken streams, timeouts,
+    refusals), never on a client's bad request. A site that failed `failures_to_open` requests
+    in a row gets no new ones here for `open_s`; then one is let through, and the next
+    failure opens it again."""
+
+    failures_to_open: int = 3
+    open_s: float = 5.0
+    _failures: dict[str, int] = field(default_factory=dict)
+    _opened_at: dict[str, float] = field(default_factory=dict)
+
+    def failed(self, site: str) -> None:
+        self._failures[site] = self._failures.get(site, 0) + 1
+        if self._failures[site] >= self.failures_to_open:
+            if site not in self._opened_at or self._expired(site):
+                log.warning("site.circuit_open", site=site, failures=self._failures[site])
+            self._opened_at[site] = time.monotonic()
+
+    def succeeded(self, site: str) -> None:
+        self._failures.pop(site, None)
+        self._opened_at.pop(site, None)
+
+    def open_sites(self) -> set[str]:
+        return {site for site in self._opened_at if not self._expired(site)}
+
+    def _expired(self, site: str) -> bool:
+        return time.monotonic() - self._opened_at[site] >= self.open_s
+
+
+Route = Callable[[wire.RouteRequest], Awaitable[wire.RouteDecision]]
+
+
+class Generation:
+    """The chunks of one job's answer, as if from one site. `route` decides the first site
+    (latency mode may hold it); later ones come straight from the schedulers."""
+
+    def __init__(
+        self,
+        job: Job,
+        route_request: wire.RouteRequest,
+        route: Route,
+        schedulers: Schedulers,
+        upstream: Upstream,
+        breakers: SiteBreakers,
+        config: FailoverConfig,
+    ) -> None:
+        self.job, self.route_request = job, route_request
+        self._first_route: Route | None = route
+        self.schedulers, self.upstream, self.breakers, self.config = schedulers, upstream, breakers, config
+        self.retries = 0
+        self.resumed = 0
+        self.sites: list[str] = []  # every site that sent this answer tokens, in order
+        self._tried: set[str] = set()  # sites that failed this request since it last made progress
+        self._produced = 0  # tokens the client has been sent
+        self._offset = 0  # tokens produced before the current site took over
+        self._id_parts: list[tuple[int, ...]] = []  # every token id sent, from every site
+        self._text_parts: list[str] = []
+
+    async def chunks(self) -> AsyncIterator[wire.GenerateChunk]:
+        request = self.job.request
+        while True:
+            decision, stream, chunk = await self._open(request)
+            try:
+                while True:
+                    aborted = (chunk.finish_reason or {}).get("type") == "abort"
+                    if aborted:  # the worker gave up on it (SGLang's abort finish): the site failed it
+                        chunk = dataclasses.replace(chunk, finish_reason=None)
+                    if chunk.output_ids or chunk.text or not aborted:
+                        yield self._continued(chunk)
+                    if aborted:
+                        raise UpstreamFailed(f"site {decision.site} aborted the generation")
+                    if chunk.finish_reason is not None:
+                        return
+                    next_chunk = await anext(stream, None)
+                    if next_chunk is None:
+                        raise UpstreamFailed(f"site {decision.site} ended the stream before the answer's end")
+                    chunk = next_chunk
+            except UpstreamFailed as exc:
+                self._failed(decision.site)
+                request = self._continuation(exc)
+                if request is None:  # every token asked for was sent: only the finish was lost
+                    yield self._finished_by_length(decision.site)
+                    return
+                self.resumed += 1
+                log.warning(
+                    "request.resuming",
+                    request_id=request.request_id,
+                    failed_site=decision.site,
+                    sent_tokens=self._produced,
+                    error=exc.message,
+                )
+            finally:
+                await stream.aclose()
+
+    # ---- opening a site's stream ---------------------------------------------------------
+
+    async def _open(self, request: wire.GenerateRequest):
+        """(decision, stream, first chunk) from the first site that starts answering."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type((UpstreamFailed, NoCapacity)),
+            wait=wait_random_exponential(multiplier=0.05, max=1.0),
+            stop=stop_after_delay(self.config.retry_budget_s),
+            reraise=True,
+            before_sleep=self._count_retry,
+        )
+        return await retrying(self._attempt, request)
+
+    def _count_retry(self, state) -> None:
+        self.retries += 1
+        log.info("request.retrying", request_id=self.job.request.request_id, error=str(state.outcome.exception()))
+
+    async def _attempt(self, request: wire.GenerateRequest):
+        exclude = self._tried | self.breakers.open_sites()
+        route_request = dataclasses.replace(self.route_request, exclude_sites=tuple(sorted(exclude)))
+        route, self._first_route = self._first_route or self.schedulers.route, None
+        try:
+            decision = await route(route_request)
+        except NoCapacity:
+            self._tried.clear()  # every site failed it once: each may be tried again after the backoff
+            raise
+        stream = self.upstream.generate(decision.agent_address, request)
+        try:
+            first = await anext(stream, None)
+            if first is None:
+                raise UpstreamFailed(f"site {decision.site} ended the stream before the first token")
+        except UpstreamFailed:
+            await stream.aclose()
+            self._failed(decision.site)
+            raise
+        except BaseException:
+            await stream.aclose()
+            raise
+        self.breakers.succeeded(decision.site)
+        self._tried.clear()
+        self.sites.append(decision.site)
+        return decision, stream, first
+
+    def _failed(self, site: str) -> None:
+        self._tried.add(site)
+        self.breakers.failed(site)
+
+    # ---- resuming ------------------------------------------------------------------------
+
+    def _continued(self, chunk: wire.GenerateChunk) -> wire.GenerateChunk:
+        """The chunk as the client's one stream sees it: token count continued across sites."""
+        self._id_parts.append(chunk.output_ids)
+        self._text_parts.append(chunk.text)
+        self._produced = self._offset + chunk.completion_tokens
+        if self._offset == 0:
+            return chunk
+        finish = chunk.finish_reason
+        if finish is not None and finish.get("type") == "length":
+            finish = {**finish, "length": self._max_new_tokens}
+        return dataclasses.replace(
+            chunk,
+            completion_tokens=self._produced,
+            prompt_tokens=self.job.request.prompt_tokens,
+            finish_reason=finish,
+        )
+
+    @property
+    def _max_new_tokens(self) -> int:
+        asked = self.job.request.sampling_params.get("max_new_tokens")
+        return asked if isinstance(asked, int) and asked > 0 else SGLANG_DEFAULT_MAX_NEW_TOKENS
+
+    def _continuation(self, failure: UpstreamFailed) -> wire.GenerateRequest | None:
+        """The request another site continues the answer with; None when nothing is left to
+        generate. Raises the failure when the answer cannot be resumed."""
+        original = self.job.request
+        params = dict(original.sampling_params)
+
+        def refuse(why: str) -> UpstreamFailed:
+            return UpstreamFailed(f"{failure.message}; not resumed: {why}")
+
+        if not self.config.resume:
+            raise refuse("resuming is turned off")
+        if self.resumed >= self.config.max_resumes:
+            raise refuse(f"already resumed {self.resumed} times")
+        structured = [p for p in STRUCTURED_OUTPUT_PARAMS if params.get(p)]
+        if structured:
+            raise refuse(f"structured output ({structured[0]}) cannot continue on another site")
+        left = self._max_new_tokens - self._produced
+        if left <= 0:
+            return None
+        ids = list(itertools.chain.from_iterable(self._id_parts))
+        params["max_new_tokens"] = left
+        if isinstance(params.get("min_new_tokens"), int):
+            params["min_new_tokens"] = max(0, params["min_new_tokens"] - self._produced)
+        self._offset = self._produced
+        prompt_tokens = original.prompt_tokens + self._produced
+        if len(ids) == self._produced:
+            prompt_ids = list(original.input_ids) if original.input_ids else tokens.encode(original.text)
+            return wire.GenerateRequest(original.request_id, prompt_tokens, params, "", (*prompt_ids, *ids))
+        if original.text and not original.input_ids:  # the site sent text without ids: continue the text
+            sent = "".join(self._text_parts)
+            return wire.GenerateRequest(original.request_id, prompt_tokens, params, original.text + sent)
+        raise refuse("the site did not send token ids")
+
+    def _finished_by_length(self, site: str) -> wire.GenerateChunk:
+        finish = {"type": "length", "length": self._max_new_tokens}
+        return wire.GenerateChunk("", (), self._produced, self.job.request.prompt_tokens, finish, site, "")

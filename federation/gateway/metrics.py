@@ -1,0 +1,31 @@
+"""The gateway's Prometheus metrics: requests by outcome, retries, resumed streams.
+
+Per gateway process (several share a port under SO_REUSEPORT; each is scraped on its own
+or their counts summed by the scraper).
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+REGISTRY = CollectorRegistry()
+REQUESTS = Counter("federation_gateway_requests", "Requests finished, by outcome.", ["outcome"], registry=REGISTRY)
+RETRIES = Counter(
+    "federation_gateway_retries", "Attempts on another site before a request's first token.", registry=REGISTRY
+)
+RESUMED = Counter(
+    "federation_gateway_resumed", "Streams cut mid-answer and continued on another site.", registry=REGISTRY
+)
+
+
+def request_done(outcome: str, retries: int, resumed: int) -> None:
+    REQUESTS.labels(outcome).inc()
+    if retries:
+        RETRIES.inc(retries)
+    if resumed:
+        RESUMED.inc(resumed)
+
+
+async def handler(request: web.Request) -> web.Response:
+    return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})

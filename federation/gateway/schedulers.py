@@ -1,0 +1,169 @@
+"""The gateway's side of the scheduler replicas: ask one for each route, fail over between
+them, watch the federation's state, and keep routing from the last state seen when none
+answers (degraded mode).
+
+Replicas are active-active and their state is soft (rebuilt from the agents' reports), so
+any of them can decide. The gateway sticks to one until it stops answering, then tries the
+next at once. With none reachable it decides itself, with the same policy, from the last
+state it watched plus the routes it made since: the sites keep serving, only the view ages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import defaultdict
+
+import grpc
+import structlog
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_random_exponential
+
+from federation import wire
+from federation.errors import NoCapacity
+from federation.work import expected_output_tokens
+from scheduler.policy import POLICIES, RouteContext, SiteLoad
+
+log = structlog.get_logger("gateway")
+
+# A decision takes the scheduler milliseconds, but an Offline burst (~24 k requests at once)
+# keeps the gateway's own loop busy for seconds before it reads the answer: each attempt
+# gets this long, and a timed-out attempt is retried, with jitter, for up to ROUTE_BUDGET_S.
+ROUTE_TIMEOUT_S = 10.0
+ROUTE_BUDGET_S = 30.0
+# A replica that refuses connections is dead: the next one is asked at once. One that is
+# slow is only busy: asked again.
+FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+RETRY_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED})
+WATCH_INTERVAL_S = 0.1  # state pushed this often: a site down is known here within ~0.1 s of the scheduler
+WATCH_RETRY_S = 0.2  # after losing every replica, try them again this often
+STATE_TIMEOUT_S = 2.0
+
+
+class Schedulers:
+    def __init__(self, addresses: list[str], policy: str = "least_expected_delay") -> None:
+        if not addresses:
+            raise ValueError("at least one scheduler address is needed")
+        self.addresses = list(addresses)
+        self._channels = [grpc.aio.insecure_channel(a) for a in self.addresses]
+        self._stubs = [wire.SchedulerStub(c) for c in self._channels]
+        self._current = 0  # the replica asked first
+        self._policy = POLICIES[policy]
+        self.state: wire.FederationState | None = None  # the last state watched
+        self.state_at = 0.0
+        self.watching: str | None = None  # the replica the watch reads now; None: none reachable
+        self._local_routes = 0  # routes decided here while degraded
+        self._local_load: dict[str, tuple[int, int]] = defaultdict(lambda: (0, 0))  # since the last state
+        self._watch: asyncio.Task | None = None
+
+    @property
+    def degraded(self) -> bool:
+        """No replica answers: routes come from the last state watched."""
+        return self.watching is None and self._watch is not None
+
+    def start(self) -> None:
+        self._watch = asyncio.ensure_future(self._watch_forever())
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        for channel in self._channels:
+            await channel.close()
+
+    # ---- routing -----------------------------------------------------------------------
+
+    async def route(self, req: wire.RouteRequest) -> wire.RouteDecision:
+        """A decision from the first replica that answers; from the last state when none does."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(lambda e: isinstance(e, grpc.aio.AioRpcError) and e.code() in RETRY_CODES),
+            wait=wait_random_exponential(multiplier=0.05, max=2.0),
+            stop=stop_after_delay(ROUTE_BUDGET_S),
+            reraise=True,
+        )
+        try:
+            return await retrying(self._route_on_any, req)
+        except grpc.aio.AioRpcError as exc:
+            raise NoCapacity(f"no site available: {exc.details() or exc.code().name}") from None
+
+    async def _route_on_any(self, req: wire.RouteRequest) -> wire.RouteDecision:
+        message = wire.route_request_to_pb(req)
+        metadata = (("x-request-id", req.request_id),)
+        for i in range(len(self._stubs)):
+            index = (self._current + i) % len(self._stubs)
+            try:
+                pb = await self._stubs[index].Route(message, timeout=ROUTE_TIMEOUT_S, metadata=metadata)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in FAILOVER_CODES:
+                    raise
+                continue
+            if index != self._current:
+                log.warning("scheduler.failover", to=self.addresses[index], request_id=req.request_id)
+                self._current = index
+            return wire.decision_from_pb(pb)
+        return self._route_locally(req)
+
+    def _route_locally(self, req: wire.RouteRequest) -> wire.RouteDecision:
+        """Degraded mode: the same policy over the last state, plus what was routed since."""
+        if self.state is None:
+            raise NoCapacity("no scheduler reachable, and none was ever seen: no site is known")
+        loads = []
+        for s in self.state.sites:
+            if s.status is not wire.SiteStatus.READY:
+                continue
+            requests, tokens = self._local_load[s.name]
+            loads.append(
+                SiteLoad(
+                    s.name,
+                    s.region,
+                    s.agent_address,
+                    s.capacity_tok_s,
+                    s.outstanding_tokens + tokens,
+                    s.outstanding_requests + requests,
+                    s.prior_capacity_tok_s,
+                    s.slots,
+                )
+            )
+        decision = self._policy(loads, req, RouteContext({}, self._local_routes))
+        if decision is None:
+            raise NoCapacity("no scheduler reachable, and no site was ready when one last answered")
+        if not req.dry_run:
+            self._local_routes += 1
+            requests, tokens = self._local_load[decision.site]
+            self._local_load[decision.site] = (requests + 1, tokens + expected_output_tokens(req.max_tokens))
+        return wire.RouteDecision(decision.site, decision.agent_address, decision.expected_delay_s, "degraded")
+
+    # ---- state ---------------------------------------------------------------------------
+
+    async def get_state(self) -> wire.FederationState:
+        """The state from the first replica that answers."""
+        for stub in self._stubs:
+            try:
+                pb = await stub.GetState(wire.state_request_to_pb(), timeout=STATE_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                continue
+            return wire.federation_state_from_pb(pb)
+        raise NoCapacity("no scheduler reachable")
+
+    async def _watch_forever(self) -> None:
+        while True:
+            for i in range(len(self._stubs)):
+                index = (self._current + i) % len(self._stubs)
+                try:
+                    call = self._stubs[index].WatchState(wire.state_request_to_pb(WATCH_INTERVAL_S))
+                    async for pb in call:
+                        if self.watching != self.addresses[index]:
+                            log.info("scheduler.watching", scheduler=self.addresses[index])
+                            self.watching = self.addresses[index]
+                        self._seen(wire.federation_state_from_pb(pb))
+                except grpc.aio.AioRpcError:
+                    continue
+            if self.watching is not None:
+                log.warning("scheduler.degraded", reason="no scheduler replica reachable")
+                self.watching = None
+            await asyncio.sleep(WATCH_RETRY_S)
+
+    def _seen(self, state: wire.FederationState) -> None:
+        self.state, self.state_at = state, time.monotonic()
+        self._local_load.clear()

@@ -1,0 +1,163 @@
+"""Failover without loss, through real processes: a stream cut mid-answer by a site crash is
+resumed on the other site; a site whose link to the gateway is cut is retried around before
+the first token; a site's 4xx never counts against it; scheduler replicas fail over, and with
+none left the gateway routes from the last state it saw (degraded)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from federation import tokens
+from federation.config import load
+from federation.embedded import Federation
+from federation.processes import PROJECT_ROOT
+from tests.test_federation import MODEL, _config
+
+SITES = [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")]
+
+
+@pytest.fixture
+def make_federation(tmp_path: Path) -> Iterator:
+    started: list[Federation] = []
+
+    def make(**options) -> tuple[Federation, Path]:
+        path, _ = _config(tmp_path, SITES, **options)
+        fed = Federation(load(path))
+        started.append(fed)
+        fed.up()
+        return fed, path
+
+    yield make
+    for fed in started:
+        fed.down()
+
+
+def _endpoint(fed: Federation) -> str:
+    return f"http://{fed.config.host}:{fed.config.gateway_port}"
+
+
+def _counter(fed: Federation, name: str) -> float:
+    with urllib.request.urlopen(_endpoint(fed) + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+@pytest.mark.timeout(120)
+async def test_stream_cut_by_a_site_crash_completes_on_the_other_site(make_federation) -> None:
+    """A streamed completion whose site is killed mid-answer (agent and workers) goes on from
+    the other site: the client's one stream holds exactly the tokens usage reports, all 600 it
+    asked for, and the gateway counts one resumed stream."""
+    fed, _ = make_federation(speed=1)
+    async with openai.AsyncOpenAI(base_url=_endpoint(fed) + "/v1", api_key="unused", max_retries=0) as client:
+        raw = await client.completions.with_raw_response.create(
+            model=MODEL,
+            prompt="Tell me about rivers.",
+            max_tokens=600,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        site = raw.headers["x-federation-site"]
+        text, usage, finish, killed = "", None, None, False
+        async for event in raw.parse():
+            if event.choices:
+                text += event.choices[0].text
+                finish = event.choices[0].finish_reason or finish
+            if event.usage:
+                usage = event.usage
+            if text and not killed:
+                fed.child(f"agent {site}").proc.send_signal(signal.SIGKILL)
+                killed = True
+    assert killed and usage is not None
+    assert usage.completion_tokens == 600 == len(tokens.encode(text))
+    assert finish == "length"
+    assert _counter(fed, "federation_gateway_resumed_total") == 1
+
+
+@pytest.mark.timeout(120)
+async def test_a_site_the_gateway_cannot_reach_is_retried_around(make_federation) -> None:
+    """With the gateway's link to Korea cut (the scheduler still hears Korea, so still routes
+    there), every request is retried on the US site before its first token: all 12 answered,
+    retries counted, and Korea's circuit opens after its third failure."""
+    fed, _ = make_federation(scheduler="policy: round_robin")
+    fed.child("link gateway->kr-mi300x").proc.send_signal(signal.SIGUSR1)
+    async with openai.AsyncOpenAI(base_url=_endpoint(fed) + "/v1", api_key="unused", max_retries=0) as client:
+        answers = await asyncio.gather(
+            *(
+                client.completions.with_raw_response.create(
+                    model=MODEL, prompt="Hi", max_tokens=20, extra_body={"ignore_eos": True}
+                )
+                for _ in range(12)
+            )
+        )
+    assert {a.headers["x-federation-site"] for a in answers} == {"us-mi355x"}
+    assert all(a.parse().usage.completion_tokens == 20 for a in answers)
+    retries = _counter(fed, "federation_gateway_retries_total")
+    assert 1 <= retries <= 6  # Korea's share of 12 round-robin routes, until its circuit opened
+
+
+@pytest.mark.timeout(120)
+async def test_a_client_error_from_a_site_is_not_retried(make_federation) -> None:
+    """A /generate whose sampling params the worker refuses gets the worker's 400, once: a
+    client's mistake is neither retried nor held against the site."""
+    fed, _ = make_federation()
+    async with aiohttp.ClientSession() as http:
+        for _ in range(4):
+            body = {"text": "Hi", "sampling_params": {"max_new_tokens": 4, "no_such_param": 1}}
+            async with http.post(_endpoint(fed) + "/generate", json=body) as resp:
+                assert resp.status == 400, await resp.text()
+        async with http.post(_endpoint(fed) + "/generate", json={"text": "Hi"}) as resp:
+            assert resp.status == 200
+    assert _counter(fed, "federation_gateway_retries_total") == 0
+
+
+def _status(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "federation.cli", "status", "--config", str(path)],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+@pytest.mark.timeout(120)
+async def test_scheduler_replicas_fail_over_then_degrade(make_federation) -> None:
+    """Two scheduler replicas: with the first killed the gateway routes through the second;
+    with both killed it routes from the last state it watched, says "degraded" in /health,
+    and `fedctl status` says no replica answers. No request fails along the way."""
+    fed, path = make_federation(scheduler="replicas: 2")
+    async with aiohttp.ClientSession() as http:
+
+        async def ask() -> dict:
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 8}
+            async with http.post(_endpoint(fed) + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+            async with http.get(_endpoint(fed) + "/health") as resp:
+                return await resp.json()
+
+        health = await ask()
+        assert health["status"] == "ok" and health["scheduler"] == fed.config.scheduler_addresses[0]
+        fed.child("scheduler 0").proc.send_signal(signal.SIGKILL)
+        for _ in range(5):
+            health = await ask()
+        assert health["status"] == "ok" and health["scheduler"] == fed.config.scheduler_addresses[1]
+        assert "unreachable" in _status(path).stdout
+        fed.child("scheduler 1").proc.send_signal(signal.SIGKILL)
+        for _ in range(5):
+            health = await ask()
+        assert health["status"] == "degraded" and set(health["ready_sites"]) == {"kr-mi300x", "us-mi355x"}
+    status = _status(path)
+    assert status.returncode == 1 and "no scheduler replica reachable" in status.stderr
+    assert "degraded" in status.stderr
