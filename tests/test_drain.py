@@ -1,0 +1,81 @@
+"""`fedctl site drain|undrain|remove` on a live federation: a drained site gets no new request,
+finishes the ones it has, and the command says when it is empty; undrain brings it back;
+remove takes it out of every scheduler's list."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from federation.admin import fetch_state
+from federation.config import load
+from federation.embedded import Federation
+from federation.processes import PROJECT_ROOT
+from tests.test_failover import SITES
+from tests.test_federation import MODEL, _config
+
+KOREAN = {"X-Client-Region": "ap-northeast-2"}  # the WAN term sends these to the Korean site
+
+
+def _fedctl(path: Path, *args: str) -> asyncio.Task:
+    return asyncio.create_task(
+        asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "federation.cli", *args, "--config", str(path)],
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    )
+
+
+async def _stream(http: aiohttp.ClientSession, url: str, max_tokens: int) -> tuple[str, int]:
+    """(site, completion tokens) of one streamed completion from a Korean client."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    async with http.post(url + "/v1/completions", json=body, headers=KOREAN) as resp:
+        assert resp.status == 200, await resp.text()
+        site, tokens = resp.headers["X-Federation-Site"], 0
+        async for line in resp.content:
+            if line.startswith(b'data: {"id"') and b'"usage":{' in line:
+                tokens = int(line.split(b'"completion_tokens":')[1].split(b",")[0])
+    return site, tokens
+
+
+@pytest.mark.timeout(150)
+async def test_drain_undrain_remove(tmp_path: Path) -> None:
+    """Six answers in flight at Korea; `fedctl site drain kr-mi300x` waits for them, new Korean
+    clients go to the US meanwhile, and the command ends with "drained" once all six finished
+    whole. After undrain Korea takes Korean clients again; after remove no scheduler lists it."""
+    path, _ = _config(tmp_path, SITES, speed=1)
+    fed = Federation(load(path))
+    try:
+        fed.up()
+        url = f"http://{fed.config.host}:{fed.config.gateway_port}"
+        async with aiohttp.ClientSession() as http:
+            in_flight = [asyncio.create_task(_stream(http, url, 150)) for _ in range(6)]
+            await asyncio.sleep(1.0)
+            drain = _fedctl(path, "site", "drain", "kr-mi300x")
+            await asyncio.sleep(1.0)
+            during = await asyncio.gather(*(_stream(http, url, 4) for _ in range(4)))
+            assert {site for site, _ in during} == {"us-mi355x"}
+            finished = await asyncio.gather(*in_flight)
+            assert finished == [("kr-mi300x", 150)] * 6
+            done = await drain
+            assert done.returncode == 0, done.stderr
+            assert "kr-mi300x: drained" in done.stdout
+            assert (await _fedctl(path, "site", "undrain", "kr-mi300x")).returncode == 0
+            assert (await _stream(http, url, 4))[0] == "kr-mi300x"
+            removed = await _fedctl(path, "site", "remove", "kr-mi300x")
+            assert removed.returncode == 0, removed.stderr
+            assert [s.name for s in fetch_state(fed.config.scheduler_addresses[0]).sites] == ["us-mi355x"]
+            missing = await _fedctl(path, "site", "drain", "nowhere")
+            assert missing.returncode == 2 and "no site named 'nowhere'" in missing.stderr
+    finally:
+        fed.down()
