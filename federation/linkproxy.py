@@ -15,6 +15,7 @@ Not emulated: bandwidth limits, loss and jitter; and connection setup is not del
 
 Example: `python -m federation.linkproxy --listen 127.0.0.1:7001 --target 127.0.0.1:30000 --rtt-ms 130`
 prints one JSON `ready` line on stdout when listening and stops cleanly on SIGTERM or SIGINT.
+SIGUSR1 cuts every link it carries and SIGUSR2 heals them: how drills partition a site.
 Repeat `--listen`/`--target` to carry several links with the same RTT in one process (the n-th
 `--listen` leads to the n-th `--target`): a router that dials 16 workers across the WAN needs one
 proxy process, not 16.
@@ -27,6 +28,7 @@ import asyncio
 import contextlib
 import math
 import resource
+import signal
 import socket
 import struct
 import sys
@@ -366,6 +368,9 @@ async def serve(args: argparse.Namespace) -> int:
             await asyncio.gather(*(p.stop() for p in started))
             return 1
         started.append(proxy)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, lambda: [p.cut() for p in proxies])
+    loop.add_signal_handler(signal.SIGUSR2, lambda: [p.heal() for p in proxies])
     links = [
         {"listen": _join(p.link.listen_host, p.port), "target": _join(p.link.target_host, p.link.target_port)}
         for p in proxies

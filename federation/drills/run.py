@@ -1,0 +1,235 @@
+"""`fedctl drill SCENARIO`: a fault under load, and proof of what it cost.
+
+Starts the embedded default (slowed as `fedctl bench` slows it, every worker's port pinned so
+faults can reach them), keeps it loaded in a closed loop (every finished request replaced at
+once, as a busy fleet is), injects the scenario's fault after a warm-up, and measures what the
+clients saw: requests failed and lost, the gateway's retries and resumed streams, how soon the
+fault was detected and throughput recovered, and throughput before, during and after.
+
+`recovery_s`: seconds from the fault until throughput is back to 90 % of what the surviving
+capacity delivered before it (a crashed site's share gone, a browned-out site's divided by 4,
+...), held for 3 s. Times are wall seconds (the control plane is not slowed by `--speed`);
+rates and TTFT are GPU time, as `fedctl bench` reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from federation import runtime
+from federation.bench import scenarios
+from federation.bench.client import Result
+from federation.bench.run import bench_config
+from federation.bench.workload import MLPERF_LIKE_PROMPTS, LengthDistribution, WorkloadSpec
+from federation.config import Config
+from federation.drills import timeline
+from federation.drills.faults import (
+    BROWNOUT_FACTOR,
+    SCENARIOS,
+    Fault,
+    SchedulerCrash,
+    SiteBrownout,
+    poll_until,
+    site_states,
+)
+from federation.embedded import Federation
+from federation.processes import free_port_block
+
+DRILL_SPEED = 0.25  # 32 emulated GPUs and ~18 k open streams leave the CPU room to fail over
+# Short answers: requests end and new ones are routed all the time, so shares and recovery show
+# within seconds (MLPerf-length answers live minutes at a quarter speed).
+DRILL_OUTPUT_TOKENS = LengthDistribution(200, 0.3)
+# Enough open requests to keep every slot of the surviving US site busy (16,384) with room,
+# and under one gateway process's 20,000 file descriptors.
+DRILL_OPEN_REQUESTS = 18_000
+DEFAULT_SITE = {"site-brownout": "us-mi355x", "worker-loss": "us-mi355x"}  # others: the remote site
+REMOTE_SITE = "kr-mi300x"
+DETECTION_TIMEOUT_S = 30.0
+RECOVERY_LEVEL = 0.9
+DURING_S = 10.0  # "during" the fault: its first seconds (or half the time after it, if shorter)
+ROUTE_IN_TRANSIT_S = 0.5  # a route decided just before the fault was seen may still arrive after it
+SHARE_WITHIN = 0.10  # a site's share has followed its capacity when within 10 % of the target
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("scenario", choices=sorted(SCENARIOS))
+    p.add_argument("--site", default=None, help="the site hit (default: kr-mi300x; us-mi355x for brownout/loss)")
+    p.add_argument("--config", type=Path, default=None)
+    p.add_argument("--speed", type=runtime.positive_float, default=DRILL_SPEED)
+    p.add_argument("--open-requests", type=runtime.positive_int, default=DRILL_OPEN_REQUESTS)
+    p.add_argument("--warmup-s", type=runtime.positive_float, default=30.0, help="wall s of load before measuring")
+    p.add_argument("--before-s", type=runtime.positive_float, default=20.0, help="wall s measured before the fault")
+    p.add_argument("--after-s", type=runtime.positive_float, default=60.0, help="wall s of load after the fault")
+    p.add_argument(
+        "--heal-after-s", type=runtime.positive_float, default=20.0, help="partition: heal; scheduler-crash: kill all"
+    )
+    p.add_argument(
+        "--slowdown", type=runtime.positive_float, default=BROWNOUT_FACTOR, help="site-brownout: how much slower"
+    )
+    p.add_argument("--output-mean", type=int, default=DRILL_OUTPUT_TOKENS.mean)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--png", type=Path, default=None)
+
+
+def drill_config(args: argparse.Namespace) -> Config:
+    """The bench's slowed federation, one gateway process (its /metrics are the whole count),
+    and every site's workers on known ports."""
+    base = bench_config(
+        argparse.Namespace(config=args.config, speed=args.speed, policy="least_expected_delay", stream_chunk_ms=1000.0)
+    )
+    sites = tuple(dataclasses.replace(s, worker_port=s.worker_port or free_port_block(s.gpus)) for s in base.sites)
+    return dataclasses.replace(base, sites=sites, gateway_processes=1)
+
+
+def _gateway_counters(config: Config) -> dict[str, float]:
+    url = f"http://{config.host}:{config.gateway_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                counts[sample.name] = counts.get(sample.name, 0.0) + sample.value
+    return counts
+
+
+def main(args: argparse.Namespace) -> int:
+    config = drill_config(args)
+    site = args.site or DEFAULT_SITE.get(args.scenario, REMOTE_SITE)
+    if site not in {s.name for s in config.sites}:
+        print(f"fedctl drill: no site named {site!r}", file=sys.stderr)
+        return 2
+    output = dataclasses.replace(DRILL_OUTPUT_TOKENS, mean=args.output_mean)
+    samples = WorkloadSpec(4 * args.open_requests, args.seed, MLPERF_LIKE_PROMPTS, output).samples()
+    log_path = (args.json.parent if args.json else Path(".")) / "drill-logs" / f"{args.scenario}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.unlink(missing_ok=True)
+    with log_path.open("a") as log:
+        federation = Federation(config, log)
+        try:
+            federation.up()
+            report = _drill(federation, args, site, samples)
+        finally:
+            federation.down()
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _drill(federation: Federation, args: argparse.Namespace, site: str, samples) -> dict[str, Any]:
+    config = federation.config
+    endpoint = f"http://{config.host}:{config.gateway_port}/v1"
+    fault: Fault = SCENARIOS[args.scenario](site, federation)
+    if isinstance(fault, SiteBrownout):
+        fault.slowdown = args.slowdown
+    heals = isinstance(fault, SchedulerCrash) or args.scenario == "site-partition"
+    total_s = args.warmup_s + args.before_s + args.after_s
+    outcome: dict[str, Any] = {}
+
+    def load() -> None:
+        sustain = scenarios.Sustain(0.0, total_s * args.speed)
+        outcome["results"], outcome["window"] = scenarios.run_sustained(
+            endpoint, samples, args.open_requests, sustain, args.speed, f"drill {args.scenario}"
+        )
+
+    thread = threading.Thread(target=load, name="drill load", daemon=True)
+    started = time.monotonic()
+    thread.start()
+    fault_at = started + scenarios.START_DELAY_S + args.warmup_s + args.before_s
+    time.sleep(max(0.0, fault_at - time.monotonic()))
+    counters_before = _gateway_counters(config)
+    state = site_states(federation)
+    fault.capacity_before = state[site].capacity_tok_s if site in state else 0.0
+    print(f"fedctl drill: {args.scenario} at {site}", file=sys.stderr, flush=True)
+    fault_at = time.monotonic()
+    fault.inject()
+    detection_s = poll_until(fault.detected, DETECTION_TIMEOUT_S)
+    heal_at = None
+    if heals:
+        time.sleep(max(0.0, fault_at + args.heal_after_s - time.monotonic()))
+        heal_at = time.monotonic()
+        fault.heal()
+    thread.join()
+    counters_after = _gateway_counters(config) if _gateway_alive(federation) else counters_before
+    results: list[Result] = outcome["results"]
+    end = outcome["window"][1]
+    line = timeline.build(results, fault_at, args.speed, end)
+    line.marks[args.scenario] = 0.0
+    if heal_at is not None:
+        line.marks["heal" if args.scenario == "site-partition" else "all schedulers killed"] = heal_at - fault_at
+    report = _report(args, site, results, line, fault, detection_s, counters_before, counters_after)
+    # Requests that started at the site after the fault was seen (a drained site must get none).
+    seen_at = fault_at + (detection_s or 0.0) + ROUTE_IN_TRANSIT_S
+    report["routed_to_site_after_fault"] = sum(1 for r in results if r.site == site and r.started > seen_at)
+    if args.png:
+        timeline.plot(line, f"fedctl drill {args.scenario} ({site})", args.png)
+        report["png"] = str(args.png)
+    return report
+
+
+def _gateway_alive(federation: Federation) -> bool:
+    return all(c.alive() for c in federation.children if c.name.startswith("gateway"))
+
+
+def _report(
+    args: argparse.Namespace,
+    site: str,
+    results: list[Result],
+    line: timeline.Timeline,
+    fault: Fault,
+    detection_s: float | None,
+    before: dict[str, float],
+    after: dict[str, float],
+) -> dict[str, Any]:
+    failed = [r for r in results if not r.ok]
+    lost = [r for r in failed if not (r.error or "").startswith("HTTP ")]  # accepted (200), never completed
+    during_s = min(DURING_S, args.after_s / 2)
+    after_end_s = args.after_s - 1.0  # the load stops at the end: its last second is not "after"
+    rate_before = line.rate(-args.before_s, 0.0)
+    per_site_before = line.site_rates(-args.before_s, 0.0)
+    surviving = fault.surviving(per_site_before)
+    recovery_s = line.first_time_at_least(RECOVERY_LEVEL * sum(surviving.values()), 0.0)
+    target_share = surviving.get(site, 0.0) / sum(surviving.values()) if surviving else 0.0
+
+    def delta(name: str) -> int:
+        return round(after.get(name, 0.0) - before.get(name, 0.0))
+
+    errors: dict[str, int] = {}
+    for r in failed:
+        errors[(r.error or "")[:120]] = errors.get((r.error or "")[:120], 0) + 1
+    return {
+        "scenario": args.scenario,
+        "site": site,
+        "requests_sent": len(results),
+        "requests_ok": len(results) - len(failed),
+        "requests_failed": len(failed),
+        "lost": len(lost),
+        "retries": delta("federation_gateway_retries_total"),
+        "resumed": delta("federation_gateway_resumed_total"),
+        "detection_s": round(detection_s, 3) if detection_s is not None else None,
+        "recovery_s": round(recovery_s, 1) if recovery_s is not None else None,
+        "output_tokens_per_s_before": round(rate_before, 1),
+        "output_tokens_per_s_during": round(line.rate(0.0, during_s), 1),
+        "output_tokens_per_s_after": round(line.rate(during_s, after_end_s), 1),
+        "surviving_tokens_per_s": round(sum(surviving.values()), 1),
+        "share_target": round(target_share, 4),
+        "share_converge_s": line.share_settles(site, target_share, SHARE_WITHIN),
+        "per_site_tokens_per_s_before": {k: round(v, 1) for k, v in per_site_before.items()},
+        "per_site_tokens_per_s_after": {k: round(v, 1) for k, v in line.site_rates(during_s, after_end_s).items()},
+        "speed": args.speed,
+        "open_requests": args.open_requests,
+        "errors": errors,
+    }

@@ -1,0 +1,149 @@
+"""What the clients saw during a drill, in one-second bins around the fault: throughput,
+p99 TTFT and each site's share, and the PNG that shows them.
+
+Time runs in wall seconds: detection and failover are the control plane's, which the
+emulator's `--speed` does not slow. Throughput and TTFT are GPU time, as in `fedctl bench`
+(tokens per wall second ÷ speed; TTFT × speed).
+
+Each answer's tokens are counted as spread evenly between its first token and its end (the
+streams arrive in coarse chunks), and are credited to the site that started it (a resumed
+answer's tail is the other site's, so shares right after a crash are approximate).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from federation.bench.client import Result
+
+BIN_S = 1.0  # wall seconds per bin
+
+
+@dataclass
+class Timeline:
+    """Bins of wall time; t = 0 is the fault."""
+
+    start_s: float
+    speed: float
+    tokens: list[float]
+    site_tokens: dict[str, list[float]]
+    ttft_p99_ms: list[float | None]
+    routed: dict[str, list[int]]  # requests started per site per bin
+    marks: dict[str, float] = field(default_factory=dict)  # label -> t (GPU s)
+
+    def t(self, i: int) -> float:
+        return self.start_s + (i + 0.5) * BIN_S
+
+    def gpu_rate(self, i: int, values: list[float] | None = None) -> float:
+        """Bin i's output tokens/s in GPU time."""
+        return (self.tokens if values is None else values)[i] / BIN_S / self.speed
+
+    def _bins(self, t0: float, t1: float) -> list[int]:
+        return [i for i in range(len(self.tokens)) if t0 <= self.start_s + i * BIN_S and self.t(i) + BIN_S / 2 <= t1]
+
+    def rate(self, t0: float, t1: float) -> float:
+        """Output tokens/s (GPU time) between wall seconds t0 and t1 (whole bins)."""
+        bins = self._bins(t0, t1)
+        return sum(self.gpu_rate(i) for i in bins) / len(bins) if bins else 0.0
+
+    def site_rates(self, t0: float, t1: float) -> dict[str, float]:
+        bins = self._bins(t0, t1)
+        if not bins:
+            return {}
+        return {site: sum(self.gpu_rate(i, v) for i in bins) / len(bins) for site, v in self.site_tokens.items()}
+
+    def first_time_at_least(self, level: float, after_s: float, hold_bins: int = 3) -> float | None:
+        """Seconds after the fault until throughput reached `level` and held it for a few bins."""
+        for i in range(len(self.tokens) - hold_bins + 1):
+            if self.start_s + i * BIN_S < after_s:
+                continue
+            if all(self.gpu_rate(j) >= level for j in range(i, i + hold_bins)):
+                return max(0.0, self.start_s + i * BIN_S)
+        return None
+
+    def share_settles(self, site: str, target: float, within: float, hold_bins: int = 3) -> float | None:
+        """Seconds after the fault until `site`'s share of the tokens is within `within` of
+        `target` (relative; absolute for a target of 0) and stays so for `hold_bins` bins."""
+        values = self.site_tokens.get(site, [0.0] * len(self.tokens))
+
+        def close(i: int) -> bool:
+            if not self.tokens[i]:
+                return False
+            share = values[i] / self.tokens[i]
+            return abs(share - target) <= (within * target if target else within)
+
+        for i in range(len(self.tokens) - hold_bins + 1):
+            if self.start_s + i * BIN_S >= 0 and all(close(j) for j in range(i, i + hold_bins)):
+                return self.start_s + i * BIN_S
+        return None
+
+
+def build(results: Sequence[Result], fault_at: float, speed: float, end: float) -> Timeline:
+    """Bin the results: `fault_at` and `end` are time.monotonic()."""
+    first = min(r.started for r in results)
+    start_s = math.floor((first - fault_at) / BIN_S) * BIN_S
+    n = max(1, math.ceil((end - fault_at - start_s) / BIN_S))
+    tokens = [0.0] * n
+    site_tokens: dict[str, list[float]] = defaultdict(lambda: [0.0] * n)
+    ttfts: list[list[float]] = [[] for _ in range(n)]
+    routed: dict[str, list[int]] = defaultdict(lambda: [0] * n)
+
+    def index(t: float) -> int:
+        return int((t - fault_at - start_s) // BIN_S)
+
+    for r in results:
+        i = index(r.started)
+        if 0 <= i < n and r.site:
+            routed[r.site][i] += 1
+        if not r.ok or r.first_token is None:
+            continue
+        if 0 <= i < n:
+            ttfts[i].append((r.first_token - r.started) * speed * 1000)  # GPU ms, as fedctl bench reports
+        a, b = r.first_token - fault_at - start_s, r.finished - fault_at - start_s
+        span = b - a
+        for j in range(max(0, int(a // BIN_S)), min(n, int(b // BIN_S) + 1)):
+            overlap = min(b, (j + 1) * BIN_S) - max(a, j * BIN_S)
+            if overlap > 0 or span <= 0:
+                share = r.output_tokens * (overlap / span if span > 0 else 1.0)
+                tokens[j] += share
+                site_tokens[r.site][j] += share
+    p99 = [sorted(v)[min(len(v) - 1, math.ceil(0.99 * len(v)) - 1)] if v else None for v in ttfts]
+    return Timeline(start_s, speed, tokens, dict(site_tokens), p99, dict(routed))
+
+
+def plot(timeline: Timeline, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [timeline.t(i) for i in range(len(timeline.tokens))]
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    bins = range(len(xs))
+    ax1.plot(xs, [timeline.gpu_rate(i) / 1000 for i in bins], color="black", label="federation")
+    for site, values in sorted(timeline.site_tokens.items()):
+        ax1.plot(xs, [timeline.gpu_rate(i, values) / 1000 for i in bins], label=site)
+    ax1.set_ylabel("output k tok/s (GPU time)")
+    ax1.legend(loc="upper right", fontsize=8)
+    ax2.plot(xs, [v if v is not None else float("nan") for v in timeline.ttft_p99_ms], color="tab:red")
+    ax2.set_ylabel("p99 TTFT (GPU ms)")
+    totals = [sum(v[i] for v in timeline.site_tokens.values()) for i in range(len(xs))]
+    for site, values in sorted(timeline.site_tokens.items()):
+        ax3.plot(xs, [v / t if t else float("nan") for v, t in zip(values, totals, strict=True)], label=site)
+    ax3.set_ylabel("share of tokens")
+    ax3.set_ylim(0, 1)
+    ax3.set_xlabel("seconds from the fault")
+    for ax in (ax1, ax2, ax3):
+        for label, t in timeline.marks.items():
+            ax.axvline(t, color="gray", linestyle="--")
+            if ax is ax1:
+                ax.annotate(label, (t, ax.get_ylim()[1]), fontsize=8, rotation=90, va="top")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
