@@ -75,6 +75,7 @@ def test_server_at_a_given_rate(tmp_path: Path) -> None:
     assert report["requests_failed"] == 0, report["errors"]
     assert 0 < report["ttft_p50_ms"] <= report["ttft_p99_ms"]
     assert 0 < report["tpot_p50_ms"] <= report["tpot_p99_ms"]
+    assert report["served_output_tokens_per_s"] > 0  # tokens over the arrivals' span
 
 
 @pytest.mark.timeout(180)
