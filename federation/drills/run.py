@@ -56,6 +56,7 @@ DEFAULT_SITE = {"site-brownout": "us-mi355x", "worker-loss": "us-mi355x"}  # oth
 REMOTE_SITE = "kr-mi300x"
 DETECTION_TIMEOUT_S = 30.0
 RECOVERY_LEVEL = 0.9
+SETTLE_S = 5.0  # after a heal, the healed site re-registers and is routed to again
 DURING_S = 10.0  # "during" the fault: its first seconds (or half the time after it, if shorter)
 ROUTE_IN_TRANSIT_S = 0.5  # a route decided just before the fault was seen may still arrive after it
 SHARE_WITHIN = 0.10  # a site's share has followed its capacity when within 10 % of the target
@@ -170,7 +171,8 @@ def _drill(federation: Federation, args: argparse.Namespace, site: str, samples)
     line.marks[args.scenario] = 0.0
     if heal_at is not None:
         line.marks["heal" if args.scenario == "site-partition" else "all schedulers killed"] = heal_at - fault_at
-    report = _report(args, site, results, line, fault, detection_s, counters_before, counters_after)
+    healed_s = heal_at - fault_at if heal_at is not None else None
+    report = _report(args, site, results, line, fault, detection_s, healed_s, counters_before, counters_after)
     # Requests that started at the site after the fault was seen (a drained site must get none).
     seen_at = fault_at + (detection_s or 0.0) + ROUTE_IN_TRANSIT_S
     report["routed_to_site_after_fault"] = sum(1 for r in results if r.site == site and r.started > seen_at)
@@ -191,12 +193,16 @@ def _report(
     line: timeline.Timeline,
     fault: Fault,
     detection_s: float | None,
+    healed_s: float | None,
     before: dict[str, float],
     after: dict[str, float],
 ) -> dict[str, Any]:
     failed = [r for r in results if not r.ok]
     lost = [r for r in failed if not (r.error or "").startswith("HTTP ")]  # accepted (200), never completed
-    during_s = min(DURING_S, args.after_s / 2)
+    # "During": the fault's first seconds, or until its second act (a partition healed, the
+    # last scheduler killed); "after": from then (a few seconds on) to the end of the load.
+    during_s = min(DURING_S, args.after_s / 2) if healed_s is None else healed_s
+    after_start_s = during_s if healed_s is None else healed_s + SETTLE_S
     after_end_s = args.after_s - 1.0  # the load stops at the end: its last second is not "after"
     rate_before = line.rate(-args.before_s, 0.0)
     per_site_before = line.site_rates(-args.before_s, 0.0)
@@ -223,12 +229,12 @@ def _report(
         "recovery_s": round(recovery_s, 1) if recovery_s is not None else None,
         "output_tokens_per_s_before": round(rate_before, 1),
         "output_tokens_per_s_during": round(line.rate(0.0, during_s), 1),
-        "output_tokens_per_s_after": round(line.rate(during_s, after_end_s), 1),
+        "output_tokens_per_s_after": round(line.rate(after_start_s, after_end_s), 1),
         "surviving_tokens_per_s": round(sum(surviving.values()), 1),
         "share_target": round(target_share, 4),
         "share_converge_s": line.share_settles(site, target_share, SHARE_WITHIN),
         "per_site_tokens_per_s_before": {k: round(v, 1) for k, v in per_site_before.items()},
-        "per_site_tokens_per_s_after": {k: round(v, 1) for k, v in line.site_rates(during_s, after_end_s).items()},
+        "per_site_tokens_per_s_after": {k: round(v, 1) for k, v in line.site_rates(after_start_s, after_end_s).items()},
         "speed": args.speed,
         "open_requests": args.open_requests,
         "errors": errors,
