@@ -6,7 +6,10 @@ answers; the state is read from the first that answers.
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -39,6 +42,19 @@ def replicas_state(addresses: Sequence[str]) -> tuple[wire.FederationState | Non
         reachable[address] = "ok"
         state = state or seen
     return state, reachable
+
+
+def gateway_health(config) -> dict:
+    """The gateway's own view (its /health): what `fedctl status` shows when no scheduler answers,
+    and how a drill sees a scheduler failover."""
+    url = f"http://{config.host}:{config.gateway_port}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=ADMIN_TIMEOUT_S) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read() or b"{}")
+    except (OSError, ValueError) as exc:
+        return {"status": "unreachable", "reason": str(exc)}
 
 
 def _on_each(addresses: Sequence[str], call: Callable[[wire.SchedulerStub], object]) -> list[str]:

@@ -14,8 +14,6 @@ import json
 import signal
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from federation import admin, runtime
@@ -125,7 +123,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     addresses = args.scheduler or list(config.scheduler_addresses)
     state, replicas = admin.replicas_state(addresses)
     if state is None:
-        gateway = _gateway_health(config)
+        gateway = admin.gateway_health(config)
         print(f"fedctl: no scheduler replica reachable ({', '.join(addresses)})", file=sys.stderr)
         if gateway.get("status") == "degraded":
             print("fedctl: degraded: the gateway routes from the last state it saw", file=sys.stderr)
@@ -160,18 +158,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("  ".join(str(r[c]).ljust(widths[c]) for c in SITE_COLUMNS))
     print("schedulers: " + ", ".join(f"{a} {status}" for a, status in replicas.items()))
     return 0
-
-
-def _gateway_health(config) -> dict:
-    """The gateway's own view (/health), for when no scheduler answers."""
-    url = f"http://{config.host}:{config.gateway_port}/health"
-    try:
-        with urllib.request.urlopen(url, timeout=admin.ADMIN_TIMEOUT_S) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return json.loads(exc.read() or b"{}")
-    except (OSError, ValueError) as exc:
-        return {"status": "unreachable", "reason": str(exc)}
 
 
 def cmd_site(args: argparse.Namespace) -> int:

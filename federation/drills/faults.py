@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import signal
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,17 +29,6 @@ HTTP_TIMEOUT_S = 5.0
 def _post(url: str, body: dict) -> None:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S).read()
-
-
-def gateway_health(federation: Federation) -> dict:
-    c = federation.config
-    try:
-        with urllib.request.urlopen(f"http://{c.host}:{c.gateway_port}/health", timeout=HTTP_TIMEOUT_S) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return json.loads(exc.read() or b"{}")
-    except OSError:
-        return {}
 
 
 def site_states(federation: Federation) -> dict[str, wire.SiteState]:
@@ -167,7 +155,7 @@ class SchedulerCrash(Fault):
             self.federation.child(f"scheduler {i}").proc.send_signal(signal.SIGKILL)
 
     def detected(self) -> bool:
-        health = gateway_health(self.federation)
+        health = admin.gateway_health(self.federation.config)
         first = self.federation.config.scheduler_addresses[0]
         return health.get("status") == "degraded" or (bool(health.get("scheduler")) and health["scheduler"] != first)
 
