@@ -70,3 +70,5 @@ def test_site_crash_drill_loses_nothing(tmp_path: Path) -> None:
     assert report["detection_s"] is not None and report["detection_s"] <= 1.0
     assert report["resumed"] + report["retries"] >= 1
     assert report["output_tokens_per_s_before"] > 0 and report["output_tokens_per_s_after"] > 0
+    assert report["per_site_tokens_per_s_before"]["kr-mi300x"] > 0  # counted by the site that wrote them
+    assert report["per_site_tokens_per_s_after"]["kr-mi300x"] == 0

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from federation import tokens
 from federation.config import load
+from federation.drills.sampler import gateway_counters, site_tokens
 from federation.embedded import Federation
 from federation.processes import PROJECT_ROOT
 from tests.test_federation import MODEL, _config
@@ -57,7 +58,7 @@ def _counter(fed: Federation, name: str) -> float:
 async def test_stream_cut_by_a_site_crash_completes_on_the_other_site(make_federation) -> None:
     """A streamed completion whose site is killed mid-answer (agent and workers) goes on from
     the other site: the client's one stream holds exactly the tokens usage reports, all 600 it
-    asked for, and the gateway counts one resumed stream."""
+    asked for, and the gateway counts one resumed stream, and the tokens each site wrote."""
     fed, _ = make_federation(speed=1)
     async with openai.AsyncOpenAI(base_url=_endpoint(fed) + "/v1", api_key="unused", max_retries=0) as client:
         raw = await client.completions.with_raw_response.create(
@@ -83,6 +84,9 @@ async def test_stream_cut_by_a_site_crash_completes_on_the_other_site(make_feder
     assert usage.completion_tokens == 600 == len(tokens.encode(text))
     assert finish == "length"
     assert _counter(fed, "federation_gateway_resumed_total") == 1
+    by_site = site_tokens(gateway_counters(_endpoint(fed) + "/metrics"))
+    other = next(name for name, _, _ in SITES if name != site)
+    assert by_site[site] > 0 and by_site[other] > 0 and by_site[site] + by_site[other] == 600, by_site
 
 
 @pytest.mark.timeout(120)

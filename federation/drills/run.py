@@ -20,11 +20,8 @@ import json
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from federation import runtime
 from federation.bench import scenarios
@@ -42,6 +39,7 @@ from federation.drills.faults import (
     poll_until,
     site_states,
 )
+from federation.drills.sampler import SiteTokenSampler, gateway_counters
 from federation.embedded import Federation
 from federation.processes import free_port_block
 
@@ -93,18 +91,6 @@ def drill_config(args: argparse.Namespace) -> Config:
     return dataclasses.replace(base, sites=sites, gateway_processes=1)
 
 
-def _gateway_counters(config: Config) -> dict[str, float]:
-    url = f"http://{config.host}:{config.gateway_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        text = resp.read().decode()
-    counts: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith("_total"):
-                counts[sample.name] = counts.get(sample.name, 0.0) + sample.value
-    return counts
-
-
 def main(args: argparse.Namespace) -> int:
     config = drill_config(args)
     site = args.site or DEFAULT_SITE.get(args.scenario, REMOTE_SITE)
@@ -146,12 +132,15 @@ def _drill(federation: Federation, args: argparse.Namespace, site: str, samples)
             endpoint, samples, args.open_requests, sustain, args.speed, f"drill {args.scenario}"
         )
 
+    metrics_url = f"http://{config.host}:{config.gateway_port}/metrics"
+    sampler = SiteTokenSampler(metrics_url)
+    sampler.start()
     thread = threading.Thread(target=load, name="drill load", daemon=True)
     started = time.monotonic()
     thread.start()
     fault_at = started + scenarios.START_DELAY_S + args.warmup_s + args.before_s
     time.sleep(max(0.0, fault_at - time.monotonic()))
-    counters_before = _gateway_counters(config)
+    counters_before = gateway_counters(metrics_url)
     state = site_states(federation)
     fault.capacity_before = state[site].capacity_tok_s if site in state else 0.0
     print(f"fedctl drill: {args.scenario} at {site}", file=sys.stderr, flush=True)
@@ -164,10 +153,11 @@ def _drill(federation: Federation, args: argparse.Namespace, site: str, samples)
         heal_at = time.monotonic()
         fault.heal()
     thread.join()
-    counters_after = _gateway_counters(config) if _gateway_alive(federation) else counters_before
+    samples = sampler.stop()
+    counters_after = gateway_counters(metrics_url) if _gateway_alive(federation) else counters_before
     results: list[Result] = outcome["results"]
     end = outcome["window"][1]
-    line = timeline.build(results, fault_at, args.speed, end)
+    line = timeline.build(results, samples, fault_at, args.speed, end)
     line.marks[args.scenario] = 0.0
     if heal_at is not None:
         line.marks["heal" if args.scenario == "site-partition" else "all schedulers killed"] = heal_at - fault_at

@@ -1,17 +1,18 @@
-"""What the clients saw during a drill, in one-second bins around the fault: throughput,
-p99 TTFT and each site's share, and the PNG that shows them.
+"""What a drill measured, in one-second bins around the fault: throughput, p99 TTFT and each
+site's share, and the PNG that shows them.
 
 Time runs in wall seconds: detection and failover are the control plane's, which the
 emulator's `--speed` does not slow. Throughput and TTFT are GPU time, as in `fedctl bench`
 (tokens per wall second ÷ speed; TTFT × speed).
 
-Each answer's tokens are counted as spread evenly between its first token and its end (the
-streams arrive in coarse chunks), and are credited to the site that started it (a resumed
-answer's tail is the other site's, so shares right after a crash are approximate).
+Tokens come from the gateway's per-site counter, sampled through the drill (`sampler.py`):
+each sample's increase is spread over the time since the one before, and credited to the site
+that generated the tokens. TTFT and the requests routed to each site come from the clients.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from federation.bench.client import Result
+from federation.drills.sampler import Sample
 
 BIN_S = 1.0  # wall seconds per bin
 
@@ -82,13 +84,13 @@ class Timeline:
         return None
 
 
-def build(results: Sequence[Result], fault_at: float, speed: float, end: float) -> Timeline:
-    """Bin the results: `fault_at` and `end` are time.monotonic()."""
+def build(results: Sequence[Result], samples: Sequence[Sample], fault_at: float, speed: float, end: float) -> Timeline:
+    """Bin the drill: `fault_at` and `end` are time.monotonic(), as are the results' and samples' times."""
     first = min(r.started for r in results)
     start_s = math.floor((first - fault_at) / BIN_S) * BIN_S
     n = max(1, math.ceil((end - fault_at - start_s) / BIN_S))
-    tokens = [0.0] * n
-    site_tokens: dict[str, list[float]] = defaultdict(lambda: [0.0] * n)
+    sites = sorted({site for sample in samples for site in sample.site_tokens})
+    site_tokens: dict[str, list[float]] = {site: [0.0] * n for site in sites}
     ttfts: list[list[float]] = [[] for _ in range(n)]
     routed: dict[str, list[int]] = defaultdict(lambda: [0] * n)
 
@@ -99,20 +101,25 @@ def build(results: Sequence[Result], fault_at: float, speed: float, end: float) 
         i = index(r.started)
         if 0 <= i < n and r.site:
             routed[r.site][i] += 1
-        if not r.ok or r.first_token is None:
-            continue
-        if 0 <= i < n:
+        if r.ok and r.first_token is not None and 0 <= i < n:
             ttfts[i].append((r.first_token - r.started) * speed * 1000)  # GPU ms, as fedctl bench reports
-        a, b = r.first_token - fault_at - start_s, r.finished - fault_at - start_s
-        span = b - a
-        for j in range(max(0, int(a // BIN_S)), min(n, int(b // BIN_S) + 1)):
-            overlap = min(b, (j + 1) * BIN_S) - max(a, j * BIN_S)
-            if overlap > 0 or span <= 0:
-                share = r.output_tokens * (overlap / span if span > 0 else 1.0)
-                tokens[j] += share
-                site_tokens[r.site][j] += share
+    for before, after in itertools.pairwise(samples):
+        a, b = before.at - fault_at - start_s, after.at - fault_at - start_s
+        for site in sites:
+            _spread(after.site_tokens.get(site, 0.0) - before.site_tokens.get(site, 0.0), a, b, site_tokens[site])
+    tokens = [sum(values[i] for values in site_tokens.values()) for i in range(n)]
     p99 = [sorted(v)[min(len(v) - 1, math.ceil(0.99 * len(v)) - 1)] if v else None for v in ttfts]
-    return Timeline(start_s, speed, tokens, dict(site_tokens), p99, dict(routed))
+    return Timeline(start_s, speed, tokens, site_tokens, p99, dict(routed))
+
+
+def _spread(amount: float, a: float, b: float, bins: list[float]) -> None:
+    """Add `amount`, delivered evenly between a and b (seconds from the first bin's start)."""
+    if amount <= 0 or b <= a:
+        return
+    for j in range(max(0, int(a // BIN_S)), min(len(bins), int(b // BIN_S) + 1)):
+        overlap = min(b, (j + 1) * BIN_S) - max(a, j * BIN_S)
+        if overlap > 0:
+            bins[j] += amount * overlap / (b - a)
 
 
 def plot(timeline: Timeline, title: str, path: Path) -> None:

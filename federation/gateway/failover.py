@@ -26,6 +26,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from federation import tokens, wire
 from federation.errors import NoCapacity, UpstreamFailed
+from federation.gateway import metrics
 from federation.gateway.jobs import Job
 from federation.gateway.schedulers import Schedulers
 from federation.gateway.upstream import Upstream
@@ -117,7 +118,7 @@ class Generation:
                     if aborted:  # the worker gave up on it (SGLang's abort finish): the site failed it
                         chunk = dataclasses.replace(chunk, finish_reason=None)
                     if chunk.output_ids or chunk.text or not aborted:
-                        yield self._continued(chunk)
+                        yield self._continued(chunk, decision.site)
                     if aborted:
                         raise UpstreamFailed(f"site {decision.site} aborted the generation")
                     if chunk.finish_reason is not None:
@@ -192,11 +193,14 @@ class Generation:
 
     # ---- resuming ------------------------------------------------------------------------
 
-    def _continued(self, chunk: wire.GenerateChunk) -> wire.GenerateChunk:
+    def _continued(self, chunk: wire.GenerateChunk, site: str) -> wire.GenerateChunk:
         """The chunk as the client's one stream sees it: token count continued across sites."""
         self._id_parts.append(chunk.output_ids)
         self._text_parts.append(chunk.text)
-        self._produced = self._offset + chunk.completion_tokens
+        produced = self._offset + chunk.completion_tokens
+        if produced > self._produced:
+            metrics.tokens_relayed(site, produced - self._produced)
+        self._produced = produced
         if self._offset == 0:
             return chunk
         finish = chunk.finish_reason

@@ -1,4 +1,6 @@
-"""The gateway's Prometheus metrics: requests by outcome, retries, resumed streams.
+"""The gateway's Prometheus metrics: requests by outcome, retries, resumed streams, and the
+output tokens each site delivered to clients (what a site's share of the traffic really is,
+counted as the tokens pass, so a resumed answer's tail is the site's that wrote it).
 
 Per gateway process (several share a port under SO_REUSEPORT; each is scraped on its own
 or their counts summed by the scraper).
@@ -17,6 +19,17 @@ RETRIES = Counter(
 RESUMED = Counter(
     "federation_gateway_resumed", "Streams cut mid-answer and continued on another site.", registry=REGISTRY
 )
+
+OUTPUT_TOKENS = Counter(
+    "federation_gateway_output_tokens",
+    "Output tokens relayed to clients, by the site that generated them.",
+    ["site"],
+    registry=REGISTRY,
+)
+
+
+def tokens_relayed(site: str, count: int) -> None:
+    OUTPUT_TOKENS.labels(site).inc(count)
 
 
 def request_done(outcome: str, retries: int, resumed: int) -> None:
