@@ -15,7 +15,7 @@ import grpc
 from federation import wire
 from federation.admin import fetch_state
 from federation.config import Config
-from federation.processes import Child, StartFailed, free_port_block, start_python
+from federation.processes import Child, StartFailed, start_python
 
 READY_WAIT_S = 60.0  # sites must report ready within this long after their agents start
 
@@ -40,13 +40,12 @@ class Federation:
     def _link(self, name: str, target_port: int, rtt_ms: float) -> str:
         """A WAN link in user space; returns the address to dial instead of the target."""
         host = self.config.host
-        port = free_port_block(1, host)
-        self._start(
+        child = self._start(
             name,
             "federation.linkproxy",
-            ["--listen", f"{host}:{port}", "--target", f"{host}:{target_port}", "--rtt-ms", str(rtt_ms)],
+            ["--listen", f"{host}:0", "--target", f"{host}:{target_port}", "--rtt-ms", str(rtt_ms)],
         )
-        return f"{host}:{port}"
+        return str(child.ready["listen"])
 
     def up(self) -> None:
         c = self.config

@@ -105,12 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
-def bench_config(args: argparse.Namespace) -> Config:
+def bench_config(path: Path | None, speed: float | None, policy: str, stream_chunk_ms: float) -> Config:
     """The federation to start, slowed down as a whole: GPUs and WAN round trips alike, so that
     a wall-clock second is `speed` GPU seconds everywhere."""
-    config = load(args.config).with_overrides(
-        speed=args.speed or BENCH_SPEED, policy=args.policy, stream_chunk_ms=args.stream_chunk_ms
-    )
+    config = load(path).with_overrides(speed=speed or BENCH_SPEED, policy=policy, stream_chunk_ms=stream_chunk_ms)
     return dataclasses.replace(
         config,
         rtt_ms={k: v / config.speed for k, v in config.rtt_ms.items()},
@@ -227,7 +225,7 @@ def main(args: argparse.Namespace) -> int:
         speed = args.speed or 1.0
         report = _measure(args.endpoint.rstrip("/"), samples, args, speed, args.policy)
         return _write(report, args.json)
-    config = bench_config(args)
+    config = bench_config(args.config, args.speed, args.policy, args.stream_chunk_ms)
     report = _run_on(_federation(config), samples, args, config.speed, config.policy)
     comparisons = {}
     for policy in args.compare:
@@ -287,7 +285,7 @@ def _loadgen(args: argparse.Namespace, samples: list[Sample]) -> int:
 
     if args.endpoint:
         return _write(go(args.endpoint.rstrip("/"), args.speed or 1.0), args.json)
-    config = bench_config(args)
+    config = bench_config(args.config, args.speed, args.policy, args.stream_chunk_ms)
     with running(config) as endpoint:
         return _write(go(endpoint, config.speed), args.json)
 

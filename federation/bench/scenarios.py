@@ -107,10 +107,12 @@ async def _drive(endpoint: str, plan: Sequence[Planned], max_in_flight: int, lab
 class Sustain:
     """A sustained Offline run (GPU seconds): loaded for `warmup_s + window_s`, measured over
     the window. The warm-up lets the opening burst's prefill pass and the answers' ends spread
-    out, so the window sees the mix a long run would."""
+    out, so the window sees the mix a long run would. With `ramp_s`, the open requests start
+    evenly over that long instead of at once (no opening burst: the ends spread out sooner)."""
 
     warmup_s: float
     window_s: float
+    ramp_s: float = 0.0
 
 
 def run_sustained(
@@ -122,19 +124,23 @@ def run_sustained(
     start = time.monotonic() + START_DELAY_S + sustain.warmup_s / speed
     window = (start, start + sustain.window_s / speed)
     parts = max(1, math.ceil(open_requests / PER_PROCESS_IN_FLIGHT))
-    jobs = [(endpoint, samples[i::parts], math.ceil(open_requests / parts), window[1], label, i) for i in range(parts)]
+    lanes = math.ceil(open_requests / parts)
+    ramp_s = sustain.ramp_s / speed
+    jobs = [(endpoint, samples[i::parts], lanes, window[1], ramp_s, label, i) for i in range(parts)]
     if parts == 1:
         return _sustain_in_process(*jobs[0]), window
     with multiprocessing.get_context("spawn").Pool(parts) as pool:
         return [r for part in pool.starmap(_sustain_in_process, jobs) for r in part], window
 
 
-def _sustain_in_process(endpoint: str, samples: Sequence[Sample], lanes: int, stop_at: float, label: str, part: int):
-    return asyncio.run(_sustain(endpoint, samples, lanes, stop_at, label, part))
+def _sustain_in_process(
+    endpoint: str, samples: Sequence[Sample], lanes: int, stop_at: float, ramp_s: float, label: str, part: int
+):
+    return asyncio.run(_sustain(endpoint, samples, lanes, stop_at, ramp_s, label, part))
 
 
 async def _sustain(
-    endpoint: str, samples: Sequence[Sample], lanes: int, stop_at: float, label: str, part: int
+    endpoint: str, samples: Sequence[Sample], lanes: int, stop_at: float, ramp_s: float, label: str, part: int
 ) -> list[Result]:
     feed = itertools.cycle(samples)
     results: list[Result] = []
@@ -142,12 +148,13 @@ async def _sustain(
         model = await served_model(http, endpoint)
         with tqdm(desc=f"{label} [{part}]", unit="req", position=part, mininterval=2.0) as bar:
 
-            async def lane() -> None:
+            async def lane(k: int) -> None:
+                await asyncio.sleep(ramp_s * k / lanes)
                 while time.monotonic() < stop_at:
                     results.append(await send(http, endpoint, model, next(feed)))
                     bar.update()
 
-            await asyncio.gather(*(lane() for _ in range(lanes)))
+            await asyncio.gather(*(lane(k) for k in range(lanes)))
     return results
 
 

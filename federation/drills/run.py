@@ -50,6 +50,7 @@ DRILL_OUTPUT_TOKENS = LengthDistribution(200, 0.3)
 # Enough open requests to keep every slot of the surviving US site busy (16,384) with room,
 # and under one gateway process's 20,000 file descriptors.
 DRILL_OPEN_REQUESTS = 18_000
+DRILL_WARMUP_S = 180.0  # wall: past the ramp, and a few answer lifetimes (~60-150 s under this load)
 DEFAULT_SITE = {"site-brownout": "us-mi355x", "worker-loss": "us-mi355x"}  # others: the remote site
 REMOTE_SITE = "kr-mi300x"
 DETECTION_TIMEOUT_S = 30.0
@@ -66,7 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None)
     p.add_argument("--speed", type=runtime.positive_float, default=DRILL_SPEED)
     p.add_argument("--open-requests", type=runtime.positive_int, default=DRILL_OPEN_REQUESTS)
-    p.add_argument("--warmup-s", type=runtime.positive_float, default=30.0, help="wall s of load before measuring")
+    p.add_argument(
+        "--warmup-s", type=runtime.positive_float, default=DRILL_WARMUP_S, help="wall s of load before measuring"
+    )
     p.add_argument("--before-s", type=runtime.positive_float, default=20.0, help="wall s measured before the fault")
     p.add_argument("--after-s", type=runtime.positive_float, default=60.0, help="wall s of load after the fault")
     p.add_argument(
@@ -83,12 +86,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def drill_config(args: argparse.Namespace) -> Config:
     """The bench's slowed federation, one gateway process (its /metrics are the whole count),
-    and every site's workers on known ports."""
-    base = bench_config(
-        argparse.Namespace(config=args.config, speed=args.speed, policy="least_expected_delay", stream_chunk_ms=1000.0)
+    and every site's workers on known ports. Every port is a free one below the ephemeral
+    range: a drill's ~18 k client connections take ephemeral ports, and the configured ones
+    (50051, ...) sit in that range, so a drill right after another could not bind them."""
+    base = bench_config(args.config, args.speed, "least_expected_delay", stream_chunk_ms=1000.0)
+    first = free_port_block(1 + base.scheduler_replicas + sum(1 + s.gpus for s in base.sites))
+    gateway_port, scheduler_port = first, first + 1  # replica i listens on scheduler_port + i
+    port, sites = scheduler_port + base.scheduler_replicas, []
+    for s in base.sites:  # the agent's port, then its workers'
+        sites.append(dataclasses.replace(s, agent_port=port, worker_port=port + 1))
+        port += 1 + s.gpus
+    return dataclasses.replace(
+        base, sites=tuple(sites), gateway_port=gateway_port, scheduler_port=scheduler_port, gateway_processes=1
     )
-    sites = tuple(dataclasses.replace(s, worker_port=s.worker_port or free_port_block(s.gpus)) for s in base.sites)
-    return dataclasses.replace(base, sites=sites, gateway_processes=1)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -127,7 +137,9 @@ def _drill(federation: Federation, args: argparse.Namespace, site: str, samples)
     outcome: dict[str, Any] = {}
 
     def load() -> None:
-        sustain = scenarios.Sustain(0.0, total_s * args.speed)
+        # The open requests start over the warm-up's first half: no opening burst, whose prefill
+        # then decode waves would take minutes to even out into a fleet's steady mix.
+        sustain = scenarios.Sustain(0.0, total_s * args.speed, ramp_s=args.warmup_s / 2 * args.speed)
         outcome["results"], outcome["window"] = scenarios.run_sustained(
             endpoint, samples, args.open_requests, sustain, args.speed, f"drill {args.scenario}"
         )
