@@ -14,6 +14,7 @@ import signal
 import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -31,10 +32,24 @@ def _post(url: str, body: dict) -> None:
     urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S).read()
 
 
+def _post_all(urls: list[str], body: dict) -> None:
+    """The same fault to several workers at once, as a site-wide failure strikes them."""
+    with ThreadPoolExecutor(len(urls)) as pool:
+        list(pool.map(lambda url: _post(url, body), urls))
+
+
 def site_states(federation: Federation) -> dict[str, wire.SiteState]:
     """The sites as the first live scheduler replica sees them ({} when none answers)."""
     state, _ = admin.replicas_state(_live_schedulers(federation))
     return {s.name: s for s in state.sites} if state else {}
+
+
+def routable_capacities(federation: Federation) -> dict[str, float]:
+    """Each site's measured capacity (wall tok/s), 0 for a site that takes no new work."""
+    return {
+        name: s.capacity_tok_s if s.status is wire.SiteStatus.READY else 0.0
+        for name, s in site_states(federation).items()
+    }
 
 
 def _live_schedulers(federation: Federation) -> list[str]:
@@ -64,6 +79,11 @@ class Fault:
     def surviving(self, before_tok_s: dict[str, float]) -> dict[str, float]:
         """Of each site's delivered rate before the fault, what survives it."""
         return dict(before_tok_s)
+
+    @property
+    def capacity_factor(self) -> float | None:
+        """What the fault leaves of the site's true capacity, when it leaves some."""
+        return None
 
     def _workers(self) -> list[str]:
         site = next(s for s in self.federation.config.sites if s.name == self.site)
@@ -112,12 +132,14 @@ class SiteBrownout(Fault):
     slowdown: float = BROWNOUT_FACTOR
 
     def inject(self) -> None:
-        for url in self._workers():
-            _post(url + "/_emulator/faults", {"slowdown": self.slowdown})
+        _post_all([url + "/_emulator/faults" for url in self._workers()], {"slowdown": self.slowdown})
 
     def heal(self) -> None:
-        for url in self._workers():
-            _post(url + "/_emulator/faults", {"slowdown": 1.0})
+        _post_all([url + "/_emulator/faults" for url in self._workers()], {"slowdown": 1.0})
+
+    @property
+    def capacity_factor(self) -> float | None:
+        return 1.0 / self.slowdown
 
     def detected(self) -> bool:
         state = site_states(self.federation).get(self.site)
@@ -129,17 +151,20 @@ class SiteBrownout(Fault):
 
 class WorkerLoss(Fault):
     def inject(self) -> None:
-        for url in self._workers()[:WORKERS_LOST]:
-            _post(url + "/_emulator/die", {})
+        _post_all([url + "/_emulator/die" for url in self._workers()[:WORKERS_LOST]], {})
 
     def detected(self) -> bool:
         state = site_states(self.federation).get(self.site)
         return state is not None and state.healthy_workers <= state.total_workers - WORKERS_LOST
 
     def surviving(self, before_tok_s: dict[str, float]) -> dict[str, float]:
-        site = next(s for s in self.federation.config.sites if s.name == self.site)
-        kept = (site.gpus - WORKERS_LOST) / site.gpus
+        kept = self.capacity_factor
         return {k: v * kept if k == self.site else v for k, v in before_tok_s.items()}
+
+    @property
+    def capacity_factor(self) -> float:
+        site = next(s for s in self.federation.config.sites if s.name == self.site)
+        return (site.gpus - WORKERS_LOST) / site.gpus
 
 
 class SchedulerCrash(Fault):

@@ -1,10 +1,12 @@
-"""The gateway's counters, read from its `/metrics` now and then and all through a drill.
+"""What a drill watches all through: the gateway's counters and the schedulers' estimates.
 
 The tokens each site relayed to clients are counted by the gateway as they pass
 (`federation_gateway_output_tokens_total{site}`), so sampling that counter every half second
 shows each site's throughput and share as it was, chunk by chunk, credited to the site that
 generated the tokens — which the clients' own records cannot: a stream's tokens arrive over
-its whole life, and a resumed answer is finished by another site.
+its whole life, and a resumed answer is finished by another site. Beside it, each site's
+capacity as the scheduler measures it (0 while it takes no new work), which the share is to
+follow.
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import grpc
 from prometheus_client.parser import text_string_to_metric_families
+
+from federation.wire import SiteState, SiteStatus
 
 SAMPLE_INTERVAL_S = 0.5  # twice per timeline bin
 SCRAPE_TIMEOUT_S = 5.0
@@ -40,6 +46,8 @@ def gateway_counters(metrics_url: str) -> dict[str, float]:
 class Sample:
     at: float  # time.monotonic(), the middle of the scrape
     site_tokens: dict[str, float]  # cumulative output tokens relayed, by site
+    capacity_tok_s: dict[str, float]  # measured (wall time), 0 for a site taking no new work; {}: unknown
+    outstanding_requests: dict[str, int]  # in flight at each site, as the scheduler counts them
 
 
 def site_tokens(counts: dict[str, float]) -> dict[str, float]:
@@ -49,9 +57,10 @@ def site_tokens(counts: dict[str, float]) -> dict[str, float]:
 
 @dataclass
 class SiteTokenSampler:
-    """A thread that samples the per-site token counter until stopped."""
+    """A thread that samples the per-site token counter and the capacities until stopped."""
 
     metrics_url: str
+    states: Callable[[], dict[str, SiteState]]
     samples: list[Sample] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -74,5 +83,14 @@ class SiteTokenSampler:
             except (OSError, urllib.error.URLError, ValueError):
                 pass  # a gateway busy past the timeout, or gone: the gap spreads over the next sample
             else:
-                self.samples.append(Sample((asked + time.monotonic()) / 2, site_tokens(counts)))
+                at = (asked + time.monotonic()) / 2
+                try:
+                    states = self.states()
+                except grpc.RpcError:
+                    states = {}  # no replica answered (a scheduler-crash drill)
+                capacities = {
+                    name: s.capacity_tok_s if s.status is SiteStatus.READY else 0.0 for name, s in states.items()
+                }
+                outstanding = {name: s.outstanding_requests for name, s in states.items()}
+                self.samples.append(Sample(at, site_tokens(counts), capacities, outstanding))
             self._stop.wait(max(0.0, SAMPLE_INTERVAL_S - (time.monotonic() - asked)))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +35,8 @@ class Timeline:
     site_tokens: dict[str, list[float]]
     ttft_p99_ms: list[float | None]
     routed: dict[str, list[int]]  # requests started per site per bin
+    capacity: dict[str, list[float | None]]  # measured, GPU tok/s, mean of the bin's samples
+    outstanding: dict[str, list[float | None]]  # requests in flight, mean of the bin's samples
     marks: dict[str, float] = field(default_factory=dict)  # label -> t (GPU s)
 
     def t(self, i: int) -> float:
@@ -58,6 +60,37 @@ class Timeline:
             return {}
         return {site: sum(self.gpu_rate(i, v) for i in bins) / len(bins) for site, v in self.site_tokens.items()}
 
+    def capacity_means(self, t0: float, t1: float) -> dict[str, float]:
+        """Each site's measured capacity (GPU tok/s), averaged over the bins between t0 and t1."""
+        return self._means(self.capacity, t0, t1)
+
+    def outstanding_means(self, t0: float, t1: float) -> dict[str, float]:
+        return self._means(self.outstanding, t0, t1)
+
+    def _means(self, series: dict[str, list[float | None]], t0: float, t1: float) -> dict[str, float]:
+        out = {}
+        for site, values in series.items():
+            known = [v for i in self._bins(t0, t1) if (v := values[i]) is not None]
+            if known:
+                out[site] = sum(known) / len(known)
+        return out
+
+    def capacity_settles(self, site: str, target: float, within: float, hold_bins: int = 3) -> float | None:
+        """Seconds after the fault until `site`'s measured capacity is within `within` of
+        `target` (relative) and stays so for `hold_bins` bins."""
+        values = self.capacity.get(site, [])
+
+        def close(i: int) -> bool:
+            return values[i] is not None and abs(values[i] - target) <= within * target
+
+        return self._first_run(close, hold_bins)
+
+    def _first_run(self, close: Callable[[int], bool], hold_bins: int) -> float | None:
+        for i in range(len(self.tokens) - hold_bins + 1):
+            if self.start_s + i * BIN_S >= 0 and all(close(j) for j in range(i, i + hold_bins)):
+                return self.start_s + i * BIN_S
+        return None
+
     def first_time_at_least(self, level: float, after_s: float, hold_bins: int = 3) -> float | None:
         """Seconds after the fault until throughput reached `level` and held it for a few bins."""
         for i in range(len(self.tokens) - hold_bins + 1):
@@ -78,10 +111,7 @@ class Timeline:
             share = values[i] / self.tokens[i]
             return abs(share - target) <= (within * target if target else within)
 
-        for i in range(len(self.tokens) - hold_bins + 1):
-            if self.start_s + i * BIN_S >= 0 and all(close(j) for j in range(i, i + hold_bins)):
-                return self.start_s + i * BIN_S
-        return None
+        return self._first_run(close, hold_bins)
 
 
 def build(results: Sequence[Result], samples: Sequence[Sample], fault_at: float, speed: float, end: float) -> Timeline:
@@ -109,7 +139,24 @@ def build(results: Sequence[Result], samples: Sequence[Sample], fault_at: float,
             _spread(after.site_tokens.get(site, 0.0) - before.site_tokens.get(site, 0.0), a, b, site_tokens[site])
     tokens = [sum(values[i] for values in site_tokens.values()) for i in range(n)]
     p99 = [sorted(v)[min(len(v) - 1, math.ceil(0.99 * len(v)) - 1)] if v else None for v in ttfts]
-    return Timeline(start_s, speed, tokens, site_tokens, p99, dict(routed))
+    capacity = _bin_means([{k: v / speed for k, v in s.capacity_tok_s.items()} for s in samples], samples, index, n)
+    outstanding = _bin_means([s.outstanding_requests for s in samples], samples, index, n)
+    return Timeline(start_s, speed, tokens, site_tokens, p99, dict(routed), capacity, outstanding)
+
+
+def _bin_means(
+    values: Sequence[Mapping[str, float]], samples: Sequence[Sample], index: Callable[[float], int], n: int
+) -> dict[str, list[float | None]]:
+    """Per site and bin, the mean of the values sampled in it (None where none was)."""
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0] * n)
+    counts: dict[str, list[int]] = defaultdict(lambda: [0] * n)
+    for sample, by_site in zip(samples, values, strict=True):
+        i = index(sample.at)
+        if 0 <= i < n:
+            for site, value in by_site.items():
+                sums[site][i] += value
+                counts[site][i] += 1
+    return {site: [t / c if c else None for t, c in zip(sums[site], counts[site], strict=True)] for site in sums}
 
 
 def _spread(amount: float, a: float, b: float, bins: list[float]) -> None:
@@ -129,7 +176,7 @@ def plot(timeline: Timeline, title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     xs = [timeline.t(i) for i in range(len(timeline.tokens))]
-    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    fig, (ax1, ax2, ax3, ax4) = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
     bins = range(len(xs))
     ax1.plot(xs, [timeline.gpu_rate(i) / 1000 for i in bins], color="black", label="federation")
     for site, values in sorted(timeline.site_tokens.items()):
@@ -141,10 +188,18 @@ def plot(timeline: Timeline, title: str, path: Path) -> None:
     totals = [sum(v[i] for v in timeline.site_tokens.values()) for i in range(len(xs))]
     for site, values in sorted(timeline.site_tokens.items()):
         ax3.plot(xs, [v / t if t else float("nan") for v, t in zip(values, totals, strict=True)], label=site)
+    capacity_totals = [sum(v[i] or 0.0 for v in timeline.capacity.values()) for i in range(len(xs))]
+    for color, (site, values) in enumerate(sorted(timeline.capacity.items())):
+        shares = [v / t if v is not None and t else float("nan") for v, t in zip(values, capacity_totals, strict=True)]
+        ax3.plot(xs, shares, linestyle=":", color=f"C{color}", label=f"{site} measured capacity")
+        ax4.plot(xs, [v / 1000 if v is not None else float("nan") for v in values], color=f"C{color}", label=site)
     ax3.set_ylabel("share of tokens")
     ax3.set_ylim(0, 1)
-    ax3.set_xlabel("seconds from the fault")
-    for ax in (ax1, ax2, ax3):
+    ax3.legend(loc="upper right", fontsize=8)
+    ax4.set_ylabel("measured capacity\nk tok/s (GPU time)")
+    ax4.legend(loc="upper right", fontsize=8)
+    ax4.set_xlabel("seconds from the fault")
+    for ax in (ax1, ax2, ax3, ax4):
         for label, t in timeline.marks.items():
             ax.axvline(t, color="gray", linestyle="--")
             if ax is ax1:
