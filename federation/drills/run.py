@@ -215,7 +215,7 @@ def _report(
     rate_before = line.rate(-args.before_s, 0.0)
     per_site_before = line.site_rates(-args.before_s, 0.0)
     surviving = fault.surviving(per_site_before)
-    recovery_s = line.first_time_at_least(RECOVERY_LEVEL * sum(surviving.values()), 0.0)
+    recovery_s = line.first_time_at_least(RECOVERY_LEVEL * sum(surviving.values()))
     # The share a site should settle at: its part of the capacity the schedulers measure after
     # the fault (0 for a site that takes no new work).
     capacity_before = line.capacity_means(-args.before_s, 0.0)

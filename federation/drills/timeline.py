@@ -7,7 +7,8 @@ emulator's `--speed` does not slow. Throughput and TTFT are GPU time, as in `fed
 
 Tokens come from the gateway's per-site counter, sampled through the drill (`sampler.py`):
 each sample's increase is spread over the time since the one before, and credited to the site
-that generated the tokens. TTFT and the requests routed to each site come from the clients.
+that generated the tokens. TTFT comes from the clients; capacities and requests in flight from
+the schedulers, sampled alongside.
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ class Timeline:
     tokens: list[float]
     site_tokens: dict[str, list[float]]
     ttft_p99_ms: list[float | None]
-    routed: dict[str, list[int]]  # requests started per site per bin
     capacity: dict[str, list[float | None]]  # measured, GPU tok/s, mean of the bin's samples
     outstanding: dict[str, list[float | None]]  # requests in flight, mean of the bin's samples
-    marks: dict[str, float] = field(default_factory=dict)  # label -> t (GPU s)
+    marks: dict[str, float] = field(default_factory=dict)  # label -> t (wall s from the fault)
 
     def t(self, i: int) -> float:
         return self.start_s + (i + 0.5) * BIN_S
@@ -91,14 +91,9 @@ class Timeline:
                 return self.start_s + i * BIN_S
         return None
 
-    def first_time_at_least(self, level: float, after_s: float, hold_bins: int = 3) -> float | None:
+    def first_time_at_least(self, level: float, hold_bins: int = 3) -> float | None:
         """Seconds after the fault until throughput reached `level` and held it for a few bins."""
-        for i in range(len(self.tokens) - hold_bins + 1):
-            if self.start_s + i * BIN_S < after_s:
-                continue
-            if all(self.gpu_rate(j) >= level for j in range(i, i + hold_bins)):
-                return max(0.0, self.start_s + i * BIN_S)
-        return None
+        return self._first_run(lambda i: self.gpu_rate(i) >= level, hold_bins)
 
     def share_settles(self, site: str, target: float, within: float, hold_bins: int = 3) -> float | None:
         """Seconds after the fault until `site`'s share of the tokens is within `within` of
@@ -122,15 +117,12 @@ def build(results: Sequence[Result], samples: Sequence[Sample], fault_at: float,
     sites = sorted({site for sample in samples for site in sample.site_tokens})
     site_tokens: dict[str, list[float]] = {site: [0.0] * n for site in sites}
     ttfts: list[list[float]] = [[] for _ in range(n)]
-    routed: dict[str, list[int]] = defaultdict(lambda: [0] * n)
 
     def index(t: float) -> int:
         return int((t - fault_at - start_s) // BIN_S)
 
     for r in results:
         i = index(r.started)
-        if 0 <= i < n and r.site:
-            routed[r.site][i] += 1
         if r.ok and r.first_token is not None and 0 <= i < n:
             ttfts[i].append((r.first_token - r.started) * speed * 1000)  # GPU ms, as fedctl bench reports
     for before, after in itertools.pairwise(samples):
@@ -141,7 +133,7 @@ def build(results: Sequence[Result], samples: Sequence[Sample], fault_at: float,
     p99 = [sorted(v)[min(len(v) - 1, math.ceil(0.99 * len(v)) - 1)] if v else None for v in ttfts]
     capacity = _bin_means([{k: v / speed for k, v in s.capacity_tok_s.items()} for s in samples], samples, index, n)
     outstanding = _bin_means([s.outstanding_requests for s in samples], samples, index, n)
-    return Timeline(start_s, speed, tokens, site_tokens, p99, dict(routed), capacity, outstanding)
+    return Timeline(start_s, speed, tokens, site_tokens, p99, capacity, outstanding)
 
 
 def _bin_means(
