@@ -49,6 +49,11 @@ class UpstreamFailed(FederationError):
     error_type = "upstream_error"
 
 
+class SiteWorkerFailed(UpstreamFailed):
+    """One of a site's workers broke while serving the request; the site itself still serves
+    (its agent stops using that worker), so the site is neither avoided nor held against."""
+
+
 class TooBusy(FederationError):
     """No site can meet the request's TTFT budget and the gateway's hold queue is full, or the
     budget ran out while held: come back later (HTTP 429 with Retry-After)."""

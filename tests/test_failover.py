@@ -32,8 +32,8 @@ SITES = [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "
 def make_federation(tmp_path: Path) -> Iterator:
     started: list[Federation] = []
 
-    def make(**options) -> tuple[Federation, Path]:
-        path, _ = _config(tmp_path, SITES, **options)
+    def make(sites=SITES, **options) -> tuple[Federation, Path]:
+        path, _ = _config(tmp_path, sites, **options)
         fed = Federation(load(path))
         started.append(fed)
         fed.up()
@@ -87,6 +87,45 @@ async def test_stream_cut_by_a_site_crash_completes_on_the_other_site(make_feder
     by_site = site_tokens(gateway_counters(_endpoint(fed) + "/metrics"))
     other = next(name for name, _, _ in SITES if name != site)
     assert by_site[site] > 0 and by_site[other] > 0 and by_site[site] + by_site[other] == 600, by_site
+
+
+@pytest.mark.timeout(120)
+async def test_streams_cut_by_a_dead_worker_continue_at_the_same_site(make_federation) -> None:
+    """A site whose worker dies mid-answer is not a failed site: its agent stops using the
+    worker, and the cut streams continue at once on the site's other workers, with exact usage,
+    no retry, and no circuit opened (the one site here could not be avoided anyway)."""
+    fed, _ = make_federation(speed=1, sites=[("us-mi355x", "us-west-2", "mi355x")])
+    site = next(s for s in fed.config.sites if s.name == "us-mi355x")
+    started = asyncio.Event()
+    async with openai.AsyncOpenAI(base_url=_endpoint(fed) + "/v1", api_key="unused", max_retries=0) as client:
+
+        async def one() -> tuple[str, int]:
+            stream = await client.completions.create(
+                model=MODEL,
+                prompt="Tell me about rivers.",
+                max_tokens=300,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            text, usage = "", 0
+            async for event in stream:
+                if event.choices:
+                    text += event.choices[0].text
+                    started.set()
+                if event.usage:
+                    usage = event.usage.completion_tokens
+            return text, usage
+
+        answers = asyncio.gather(*(one() for _ in range(6)))
+        await started.wait()
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"http://{fed.config.host}:{site.worker_port}/_emulator/die", json={}) as resp:
+                assert resp.status == 200, await resp.text()
+        for text, usage in await answers:
+            assert usage == 300 == len(tokens.encode(text))
+    assert _counter(fed, "federation_gateway_resumed_total") >= 1
+    assert _counter(fed, "federation_gateway_retries_total") == 0
 
 
 @pytest.mark.timeout(120)

@@ -25,7 +25,7 @@ import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from federation import tokens, wire
-from federation.errors import NoCapacity, UpstreamFailed
+from federation.errors import NoCapacity, SiteWorkerFailed, UpstreamFailed
 from federation.gateway import metrics
 from federation.gateway.jobs import Job
 from federation.gateway.schedulers import Schedulers
@@ -128,7 +128,7 @@ class Generation:
                         raise UpstreamFailed(f"site {decision.site} ended the stream before the answer's end")
                     chunk = next_chunk
             except UpstreamFailed as exc:
-                self._failed(decision.site)
+                self._failed(decision.site, exc)
                 request = self._continuation(exc)
                 if request is None:  # every token asked for was sent: only the finish was lost
                     yield self._finished_by_length(decision.site)
@@ -175,9 +175,9 @@ class Generation:
             first = await anext(stream, None)
             if first is None:
                 raise UpstreamFailed(f"site {decision.site} ended the stream before the first token")
-        except UpstreamFailed:
+        except UpstreamFailed as exc:
             await stream.aclose()
-            self._failed(decision.site)
+            self._failed(decision.site, exc)
             raise
         except BaseException:
             await stream.aclose()
@@ -187,7 +187,11 @@ class Generation:
         self.sites.append(decision.site)
         return decision, stream, first
 
-    def _failed(self, site: str) -> None:
+    def _failed(self, site: str, failure: UpstreamFailed) -> None:
+        """A site failed this request. One of its workers breaking is not the site failing: a
+        lost worker takes hundreds of streams with it, and the site's other workers serve on."""
+        if isinstance(failure, SiteWorkerFailed):
+            return
         self._tried.add(site)
         self.breakers.failed(site)
 

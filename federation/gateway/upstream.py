@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from federation import wire
-from federation.errors import BadRequest, UpstreamFailed
+from federation.errors import BadRequest, SiteWorkerFailed, UpstreamFailed
 
 # The agent bounds its own waits on the worker (30 min to the first token, 60 s between
 # events); these are a little longer, so the agent's clearer error arrives first.
@@ -68,6 +68,8 @@ class Upstream:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise BadRequest(exc.details() or "the site refused the request") from None
+            if exc.code() == grpc.StatusCode.ABORTED:  # the agent's word for "one worker broke"
+                raise SiteWorkerFailed(f"site at {address}: {exc.details()}") from None
             raise UpstreamFailed(f"site at {address} failed: {exc.details() or exc.code().name}") from None
         finally:
             call.cancel()

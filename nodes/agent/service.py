@@ -123,7 +123,9 @@ class SiteAgentService(wire.SiteAgentServicer):
         except sglang.WorkerFailed as exc:
             self.pool.mark_failed(worker)
             bound.warning("generate.worker_failed", error=str(exc))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"site {self.site}: {exc}")
+            # ABORTED, not UNAVAILABLE: the site still serves on its other workers, so the
+            # gateway may send the request (or its continuation) right back here.
+            await context.abort(grpc.StatusCode.ABORTED, f"site {self.site}: {exc}")
         finally:
             # Cancelled, closed mid-send (GeneratorExit) or failed: the worker must stop too.
             if not worker_done:
