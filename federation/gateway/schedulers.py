@@ -19,7 +19,7 @@ import grpc
 import structlog
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
-from federation import wire
+from federation import runtime, wire
 from federation.errors import NoCapacity
 from federation.work import expected_output_tokens
 from scheduler.policy import POLICIES, RouteContext, SiteLoad
@@ -45,7 +45,7 @@ class Schedulers:
         if not addresses:
             raise ValueError("at least one scheduler address is needed")
         self.addresses = list(addresses)
-        self._channels = [grpc.aio.insecure_channel(a) for a in self.addresses]
+        self._channels = [grpc.aio.insecure_channel(a, options=runtime.GRPC_CHANNEL_OPTIONS) for a in self.addresses]
         self._stubs = [wire.SchedulerStub(c) for c in self._channels]
         self._current = 0  # the replica asked first
         self._policy = POLICIES[policy]

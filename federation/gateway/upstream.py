@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from federation import wire
+from federation import runtime, wire
 from federation.errors import BadRequest, SiteWorkerFailed, UpstreamFailed
 
 # The agent bounds its own waits on the worker (30 min to the first token, 60 s between
@@ -45,7 +45,7 @@ class Upstream:
 
     def _agent(self, address: str) -> wire.SiteAgentStub:
         if address not in self._agents:
-            channel = grpc.aio.insecure_channel(address, options=KEEPALIVE_OPTIONS)
+            channel = grpc.aio.insecure_channel(address, options=KEEPALIVE_OPTIONS + runtime.GRPC_CHANNEL_OPTIONS)
             self._agents[address] = (channel, wire.SiteAgentStub(channel))
         return self._agents[address][1]
 

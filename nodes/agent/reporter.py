@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterator
 import grpc
 import structlog
 
-from federation import wire
+from federation import runtime, wire
 
 log = structlog.get_logger("agent.reporter")
 
 RECONNECT_BASE_S = 0.2
-RECONNECT_MAX_S = 5.0
+RECONNECT_MAX_S = 1.0  # a site back from a partition rejoins within a second (registering is cheap)
 REGISTER_TIMEOUT_S = 5.0
 LOOP_TICK_S = 0.1
 LATE_REPORT_S = 0.75  # a gap this long between reports risks the scheduler's 1 s heartbeat
@@ -82,7 +82,7 @@ class Reporter:
     def _run(self, scheduler_address: str) -> None:
         """Stay registered with one scheduler and report to it, until it removes the site or we stop."""
         attempt = 0
-        with grpc.insecure_channel(scheduler_address) as channel:
+        with grpc.insecure_channel(scheduler_address, options=runtime.GRPC_CHANNEL_OPTIONS) as channel:
             stub = wire.SchedulerStub(channel)
             while not self._stop.is_set():
                 call = None
