@@ -220,7 +220,8 @@ def _report(
     # the fault (0 for a site that takes no new work).
     capacity_before = line.capacity_means(-args.before_s, 0.0)
     capacity_after = line.capacity_means(after_start_s, after_end_s)
-    target_share = capacity_after.get(site, 0.0) / sum(capacity_after.values()) if capacity_after else 0.0
+    # None when no scheduler answered after the fault (all replicas killed): nothing to follow.
+    target_share = capacity_after.get(site, 0.0) / sum(capacity_after.values()) if capacity_after else None
     true_capacity = (
         capacity_before[site] * fault.capacity_factor
         if fault.capacity_factor is not None and site in capacity_before
@@ -253,8 +254,8 @@ def _report(
         "capacity_after": {k: round(v, 1) for k, v in capacity_after.items()},
         "capacity_true_after": round(true_capacity, 1) if true_capacity else None,
         "capacity_converge_s": capacity_converge_s,
-        "share_target": round(target_share, 4),
-        "share_converge_s": line.share_settles(site, target_share, WITHIN),
+        "share_target": round(target_share, 4) if target_share is not None else None,
+        "share_converge_s": line.share_settles(site, target_share, WITHIN) if target_share is not None else None,
         "per_site_tokens_per_s_before": {k: round(v, 1) for k, v in per_site_before.items()},
         "per_site_tokens_per_s_after": {k: round(v, 1) for k, v in line.site_rates(after_start_s, after_end_s).items()},
         "outstanding_requests_before": {k: round(v) for k, v in line.outstanding_means(-args.before_s, 0.0).items()},
