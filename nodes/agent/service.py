@@ -122,6 +122,9 @@ class SiteAgentService(wire.SiteAgentServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except sglang.WorkerFailed as exc:
             self.pool.mark_failed(worker)
+            # A lost connection ended the request at the worker: no abort to send (a dead
+            # worker takes hundreds of streams with it, and their aborts would only be refused).
+            worker_done = exc.connection_lost
             bound.warning("generate.worker_failed", error=str(exc))
             # ABORTED, not UNAVAILABLE: the site still serves on its other workers, so the
             # gateway may send the request (or its continuation) right back here.

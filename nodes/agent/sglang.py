@@ -22,7 +22,13 @@ class WorkerRejected(Exception):
 
 
 class WorkerFailed(Exception):
-    """The worker broke, hung up or answered with a server error: the site's fault."""
+    """The worker broke, hung up or answered with a server error: the site's fault.
+    `connection_lost`: the request's connection died, which ends the request at the worker too
+    (SGLang aborts a request whose client is gone; a dead worker has nothing to abort)."""
+
+    def __init__(self, message: str, *, connection_lost: bool = False) -> None:
+        super().__init__(message)
+        self.connection_lost = connection_lost
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +127,8 @@ async def stream_generate(
     except (WorkerRejected, WorkerFailed):
         raise
     except Exception as exc:  # a reset, a malformed event, an oversized line: the worker's fault
-        raise WorkerFailed(f"{url}: {type(exc).__name__}: {exc}") from exc
+        lost = isinstance(exc, aiohttp.ClientError)
+        raise WorkerFailed(f"{url}: {type(exc).__name__}: {exc}", connection_lost=lost) from exc
     raise WorkerFailed(f"{url} ended the stream without [DONE]")
 
 
