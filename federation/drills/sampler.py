@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,7 +79,7 @@ class SiteTokenSampler:
             asked = time.monotonic()
             try:
                 counts = gateway_counters(self.metrics_url)
-            except (OSError, urllib.error.URLError, ValueError):
+            except (OSError, ValueError):  # URLError is an OSError
                 pass  # a gateway busy past the timeout, or gone: the gap spreads over the next sample
             else:
                 at = (asked + time.monotonic()) / 2
