@@ -44,14 +44,6 @@ def site_states(federation: Federation) -> dict[str, wire.SiteState]:
     return {s.name: s for s in state.sites} if state else {}
 
 
-def routable_capacities(federation: Federation) -> dict[str, float]:
-    """Each site's measured capacity (wall tok/s), 0 for a site that takes no new work."""
-    return {
-        name: s.capacity_tok_s if s.status is wire.SiteStatus.READY else 0.0
-        for name, s in site_states(federation).items()
-    }
-
-
 def _live_schedulers(federation: Federation) -> list[str]:
     c = federation.config
     return [address for i, address in enumerate(c.scheduler_addresses) if federation.child(f"scheduler {i}").alive()]
