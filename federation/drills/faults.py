@@ -70,11 +70,15 @@ class Fault:
 
     def surviving(self, before_tok_s: dict[str, float]) -> dict[str, float]:
         """Of each site's delivered rate before the fault, what survives it."""
-        return dict(before_tok_s)
+        kept = self.capacity_factor
+        if kept is None:
+            return dict(before_tok_s)
+        return {k: v * kept if k == self.site else v for k, v in before_tok_s.items()}
 
     @property
     def capacity_factor(self) -> float | None:
-        """What the fault leaves of the site's true capacity, when it leaves some."""
+        """What the fault leaves of the site's capacity (0: it takes no more work); None when
+        the fault is not the site's (a scheduler crash)."""
         return None
 
     def _workers(self) -> list[str]:
@@ -94,8 +98,9 @@ class SiteCrash(Fault):
     def detected(self) -> bool:
         return self._site_down()
 
-    def surviving(self, before_tok_s: dict[str, float]) -> dict[str, float]:
-        return {k: v for k, v in before_tok_s.items() if k != self.site}
+    @property
+    def capacity_factor(self) -> float:
+        return 0.0
 
 
 class SitePartition(Fault):
@@ -116,8 +121,9 @@ class SitePartition(Fault):
     def detected(self) -> bool:
         return self._site_down()
 
-    def surviving(self, before_tok_s: dict[str, float]) -> dict[str, float]:
-        return {k: v for k, v in before_tok_s.items() if k != self.site}
+    @property
+    def capacity_factor(self) -> float:
+        return 0.0
 
 
 class SiteBrownout(Fault):
@@ -137,9 +143,6 @@ class SiteBrownout(Fault):
         state = site_states(self.federation).get(self.site)
         return state is not None and state.capacity_tok_s < 0.9 * self.capacity_before
 
-    def surviving(self, before_tok_s: dict[str, float]) -> dict[str, float]:
-        return {k: v / self.slowdown if k == self.site else v for k, v in before_tok_s.items()}
-
 
 class WorkerLoss(Fault):
     def inject(self) -> None:
@@ -148,10 +151,6 @@ class WorkerLoss(Fault):
     def detected(self) -> bool:
         state = site_states(self.federation).get(self.site)
         return state is not None and state.healthy_workers <= state.total_workers - WORKERS_LOST
-
-    def surviving(self, before_tok_s: dict[str, float]) -> dict[str, float]:
-        kept = self.capacity_factor
-        return {k: v * kept if k == self.site else v for k, v in before_tok_s.items()}
 
     @property
     def capacity_factor(self) -> float:
@@ -185,8 +184,9 @@ class Drain(Fault):
         state = site_states(self.federation).get(self.site)
         return state is not None and state.status is wire.SiteStatus.DRAINING
 
-    def surviving(self, before_tok_s: dict[str, float]) -> dict[str, float]:
-        return {k: v for k, v in before_tok_s.items() if k != self.site}
+    @property
+    def capacity_factor(self) -> float:
+        return 0.0
 
 
 SCENARIOS: dict[str, Callable[..., Fault]] = {
