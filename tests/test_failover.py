@@ -9,14 +9,12 @@ import asyncio
 import signal
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from federation import tokens
 from federation.config import load
@@ -49,9 +47,7 @@ def _endpoint(fed: Federation) -> str:
 
 
 def _counter(fed: Federation, name: str) -> float:
-    with urllib.request.urlopen(_endpoint(fed) + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    return gateway_counters(_endpoint(fed) + "/metrics").get(name, 0.0)
 
 
 @pytest.mark.timeout(120)
