@@ -44,12 +44,11 @@ def replicas_state(addresses: Sequence[str]) -> tuple[wire.FederationState | Non
     return state, reachable
 
 
-def gateway_health(config) -> dict:
+def gateway_health(gateway_url: str) -> dict:
     """The gateway's own view (its /health): what `fedctl status` shows when no scheduler answers,
     and how a drill sees a scheduler failover."""
-    url = f"http://{config.host}:{config.gateway_port}/health"
     try:
-        with urllib.request.urlopen(url, timeout=ADMIN_TIMEOUT_S) as resp:
+        with urllib.request.urlopen(gateway_url + "/health", timeout=ADMIN_TIMEOUT_S) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return json.loads(exc.read() or b"{}")

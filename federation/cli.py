@@ -75,7 +75,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops us like Ctrl-C, even mid start-up
     try:
         federation.up()
-        endpoint = f"http://{config.host}:{config.gateway_port}/v1"
+        endpoint = config.gateway_url + "/v1"
         runtime.announce_ready(endpoint=endpoint, sites=[s.name for s in config.sites], speed=config.speed)
         print(f"federation ready: {endpoint}  (fedctl status; Ctrl-C stops it)", file=sys.stderr, flush=True)
         reported: set[str] = set()
@@ -123,7 +123,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     addresses = args.scheduler or list(config.scheduler_addresses)
     state, replicas = admin.replicas_state(addresses)
     if state is None:
-        gateway = admin.gateway_health(config)
+        gateway = admin.gateway_health(config.gateway_url)
         print(f"fedctl: no scheduler replica reachable ({', '.join(addresses)})", file=sys.stderr)
         if gateway.get("status") == "degraded":
             print("fedctl: degraded: the gateway routes from the last state it saw", file=sys.stderr)

@@ -69,6 +69,10 @@ class Config:
     scheduler_replicas: int = 1  # active-active: any of them can decide, agents report to all
 
     @property
+    def gateway_url(self) -> str:
+        return f"http://{self.host}:{self.gateway_port}"
+
+    @property
     def scheduler_addresses(self) -> tuple[str, ...]:
         return tuple(f"{self.host}:{self.scheduler_port + i}" for i in range(self.scheduler_replicas))
 

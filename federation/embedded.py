@@ -133,6 +133,6 @@ def running(config: Config, log: IO[str] | None = None) -> Iterator[str]:
     federation = Federation(config, log)
     try:
         federation.up()
-        yield f"http://{config.host}:{config.gateway_port}/v1"
+        yield config.gateway_url + "/v1"
     finally:
         federation.down()

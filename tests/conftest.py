@@ -1,15 +1,20 @@
-"""Shared fixtures: real emulator processes on loopback ports."""
+"""Shared fixtures: real emulator processes and federations on loopback ports."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import aiohttp
 import pytest
 
+from federation.config import load
+from federation.embedded import Federation
 from nodes.emulator.launch import EmulatorProcess as Emulator
 from nodes.emulator.launch import launch
+from tests.test_federation import _config
 
+SITES = [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")]
 FAST = "20"  # emulated GPUs 20x faster than real ones: tests finish in seconds
 
 
@@ -33,3 +38,20 @@ def fresh_worker() -> Iterator[Emulator]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         yield session
+
+
+@pytest.fixture
+def make_federation(tmp_path: Path) -> Iterator:
+    """Starts small federations (Korea and the US, 4 GPUs each, speed 10) in-process; stops them after."""
+    started: list[Federation] = []
+
+    def make(sites=SITES, **options) -> tuple[Federation, Path]:
+        path, _ = _config(tmp_path, sites, **options)
+        fed = Federation(load(path))
+        started.append(fed)
+        fed.up()
+        return fed, path
+
+    yield make
+    for fed in started:
+        fed.down()

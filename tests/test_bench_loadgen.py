@@ -47,7 +47,7 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         federation = Federation(config, log=log)
         try:
             federation.up()
-            yield f"http://{config.host}:{config.gateway_port}/v1"
+            yield config.gateway_url + "/v1"
         finally:
             federation.down()
 

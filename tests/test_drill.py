@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from federation.processes import PROJECT_ROOT
-from tests.test_failover import SITES
+from tests.conftest import SITES
 from tests.test_federation import _config
 
 KEYS = {
@@ -30,33 +30,31 @@ KEYS = {
 }
 
 
-def _drill(tmp_path: Path, scenario: str, *args: str) -> dict:
-    path, _ = _config(tmp_path, SITES, scheduler="replicas: 2")
+SMALL = ["--open-requests", "60", "--output-mean", "40", "--warmup-s", "3", "--before-s", "3", "--after-s", "8"]
+
+
+def _fedctl_drill(tmp_path: Path, scenario: str, *args: str) -> subprocess.CompletedProcess:
     out, png = tmp_path / "drill.json", tmp_path / "drill.png"
-    common = ["--config", str(path), "--speed", "10", "--open-requests", "60", "--output-mean", "40"]
-    common += ["--warmup-s", "3", "--before-s", "3", "--after-s", "8", "--heal-after-s", "3"]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "federation.cli",
-            "drill",
-            scenario,
-            *common,
-            *args,
-            "--json",
-            str(out),
-            "--png",
-            str(png),
-        ],
+    command = ["drill", scenario, *SMALL, *args, "--json", str(out), "--png", str(png)]
+    return subprocess.run(
+        [sys.executable, "-m", "federation.cli", *command],
         cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
         timeout=150,
     )
+
+
+def _report(tmp_path: Path, proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert png.stat().st_size > 10_000
-    return json.loads(out.read_text())
+    assert (tmp_path / "drill.png").stat().st_size > 10_000
+    return json.loads((tmp_path / "drill.json").read_text())
+
+
+def _drill(tmp_path: Path, scenario: str, *args: str) -> dict:
+    path, _ = _config(tmp_path, SITES, scheduler="replicas: 2")
+    common = ["--config", str(path), "--speed", "10", "--heal-after-s", "3"]
+    return _report(tmp_path, _fedctl_drill(tmp_path, scenario, *common, *args))
 
 
 @pytest.mark.timeout(180)
@@ -72,3 +70,37 @@ def test_site_crash_drill_loses_nothing(tmp_path: Path) -> None:
     assert report["output_tokens_per_s_before"] > 0 and report["output_tokens_per_s_after"] > 0
     assert report["per_site_tokens_per_s_before"]["kr-mi300x"] > 0  # counted by the site that wrote them
     assert report["per_site_tokens_per_s_after"]["kr-mi300x"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_a_running_federation_is_drilled_with_the_operators_command(tmp_path: Path, make_federation) -> None:
+    """`--endpoint` drills a federation the drill did not start: the operator's `--inject`
+    command kills Korea's agent, the drill finds the schedulers through the gateway's /health,
+    sees the crash within a second, and no request is lost."""
+    fed, _ = make_federation(scheduler="replicas: 2")
+    agent = fed.child("agent kr-mi300x").proc.pid
+    inject = f'test "$FEDCTL_DRILL_SITE" = kr-mi300x && kill -9 {agent}'
+    proc = _fedctl_drill(
+        tmp_path, "site-crash", "--endpoint", fed.config.gateway_url, "--speed", "10", "--inject", inject
+    )
+    report = _report(tmp_path, proc)
+    assert report["site"] == "kr-mi300x" and not fed.child("agent kr-mi300x").alive()
+    assert report["requests_sent"] > 60 and report["requests_failed"] == 0 and report["lost"] == 0, report["errors"]
+    assert report["detection_s"] is not None and report["detection_s"] <= 1.0
+    assert report["per_site_tokens_per_s_after"]["kr-mi300x"] == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["site-crash", "--endpoint", "http://127.0.0.1:9"], "needs --inject CMD"),
+        (["drain", "--endpoint", "http://127.0.0.1:9", "--inject", "true"], "drain needs no --inject"),
+        (["site-crash", "--inject", "true"], "--inject needs --endpoint"),
+    ],
+)
+def test_a_drill_that_cannot_be_run_says_why(args: list[str], said: str) -> None:
+    """Arguments that make no drill are refused before anything starts, with the reason."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "federation.cli", "drill", *args], capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr

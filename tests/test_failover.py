@@ -9,7 +9,6 @@ import asyncio
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -17,33 +16,15 @@ import openai
 import pytest
 
 from federation import tokens
-from federation.config import load
 from federation.drills.sampler import gateway_counters, site_tokens
 from federation.embedded import Federation
 from federation.processes import PROJECT_ROOT
-from tests.test_federation import MODEL, _config
-
-SITES = [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")]
-
-
-@pytest.fixture
-def make_federation(tmp_path: Path) -> Iterator:
-    started: list[Federation] = []
-
-    def make(sites=SITES, **options) -> tuple[Federation, Path]:
-        path, _ = _config(tmp_path, sites, **options)
-        fed = Federation(load(path))
-        started.append(fed)
-        fed.up()
-        return fed, path
-
-    yield make
-    for fed in started:
-        fed.down()
+from tests.conftest import SITES
+from tests.test_federation import MODEL
 
 
 def _endpoint(fed: Federation) -> str:
-    return f"http://{fed.config.host}:{fed.config.gateway_port}"
+    return fed.config.gateway_url
 
 
 def _counter(fed: Federation, name: str) -> float:

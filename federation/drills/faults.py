@@ -1,10 +1,12 @@
-"""The faults a drill injects into a running embedded federation, and how each is detected.
+"""The faults a drill injects, and how each is detected.
 
-Each fault acts on real processes the way the failure would: a crashed site's agent is
-killed (its emulated workers die with it), a partition resets and refuses every connection
-on the site's WAN links (scheduler reports and gateway streams alike), a brownout makes every
-worker of the site 4x slower, a worker loss kills 4 of its 16 workers, a scheduler crash kills
-replicas, a drain is the operator's `fedctl site drain`.
+In the embedded default each fault acts on real processes the way the failure would: a
+crashed site's agent is killed (its emulated workers die with it), a partition resets and
+refuses every connection on the site's WAN links (scheduler reports and gateway streams
+alike), a brownout makes every worker of the site 4x slower, a worker loss kills 4 of its 16
+workers, a scheduler crash kills replicas. In an operator's federation the operator's command
+does it. A drain is `fedctl site drain` on either. Detection reads what an operator can read:
+the schedulers' state and the gateway's /health.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import ClassVar
 
 import grpc
 
 from federation import admin, wire
+from federation.drills.target import DrillError, Target
 from federation.embedded import Federation
 
 BROWNOUT_FACTOR = 4.0
@@ -38,31 +42,35 @@ def _post_all(urls: list[str], body: dict) -> None:
         list(pool.map(lambda url: _post(url, body), urls))
 
 
-def site_states(federation: Federation) -> dict[str, wire.SiteState]:
-    """The sites as the first live scheduler replica sees them ({} when none answers)."""
-    state, _ = admin.replicas_state(_live_schedulers(federation))
-    return {s.name: s for s in state.sites} if state else {}
-
-
-def _live_schedulers(federation: Federation) -> list[str]:
-    c = federation.config
-    return [address for i, address in enumerate(c.scheduler_addresses) if federation.child(f"scheduler {i}").alive()]
-
-
 @dataclass
 class Fault:
-    """One drill's fault. `inject` at the fault time; `heal` (if any) `heal_after_s` GPU
-    seconds later; `detected` is polled from the fault on, until it says True."""
+    """One drill's fault at one site. `inject` at the fault time; `heal` (if the fault `heals`)
+    `heal_after_s` later; `detected` is polled from the fault on, until it says True. Against
+    the embedded default a fault breaks our own processes; against an operator's federation it
+    runs the operator's command for it."""
 
     site: str
-    federation: Federation
+    target: Target
     heal_after_s: float | None = None
-    capacity_before: float = 0.0
+    before: wire.SiteState | None = None  # the site as the schedulers saw it just before the fault
+    heals: ClassVar[bool] = False
 
     def inject(self) -> None:
-        raise NotImplementedError
+        if self.target.inject_command:
+            self.target.run(self.target.inject_command, self.site)
+        else:
+            self._inject(self.target.own(f"inject {type(self).__name__}"))
 
     def heal(self) -> None:
+        if self.target.heal_command:
+            self.target.run(self.target.heal_command, self.site)
+        elif self.target.federation is not None:
+            self._heal(self.target.federation)
+
+    def _inject(self, federation: Federation) -> None:
+        raise NotImplementedError
+
+    def _heal(self, federation: Federation) -> None:
         pass
 
     def detected(self) -> bool:
@@ -81,19 +89,22 @@ class Fault:
         the fault is not the site's (a scheduler crash)."""
         return None
 
-    def _workers(self) -> list[str]:
-        site = next(s for s in self.federation.config.sites if s.name == self.site)
+    def _state(self) -> wire.SiteState | None:
+        return self.target.site_states().get(self.site)
+
+    def _workers(self, federation: Federation) -> list[str]:
+        site = next(s for s in federation.config.sites if s.name == self.site)
         assert site.worker_port is not None, "drills pin each site's worker ports"
-        return [f"http://{self.federation.config.host}:{site.worker_port + i}" for i in range(site.gpus)]
+        return [f"http://{federation.config.host}:{site.worker_port + i}" for i in range(site.gpus)]
 
     def _site_down(self) -> bool:
-        state = site_states(self.federation).get(self.site)
+        state = self._state()
         return state is None or state.status is wire.SiteStatus.DOWN
 
 
 class SiteCrash(Fault):
-    def inject(self) -> None:
-        self.federation.child(f"agent {self.site}").proc.send_signal(signal.SIGKILL)
+    def _inject(self, federation: Federation) -> None:
+        federation.child(f"agent {self.site}").proc.send_signal(signal.SIGKILL)
 
     def detected(self) -> bool:
         return self._site_down()
@@ -104,18 +115,20 @@ class SiteCrash(Fault):
 
 
 class SitePartition(Fault):
-    def _links(self):
-        return [c for c in self.federation.children if c.name.startswith("link") and self.site in c.name]
+    heals = True
 
-    def inject(self) -> None:
-        links = self._links()
+    def _links(self, federation: Federation):
+        return [c for c in federation.children if c.name.startswith("link") and self.site in c.name]
+
+    def _inject(self, federation: Federation) -> None:
+        links = self._links(federation)
         if not links:
-            raise ValueError(f"{self.site} has no WAN link to cut (it is in the gateway's region)")
+            raise DrillError(f"{self.site} has no WAN link to cut (it is in the gateway's region)")
         for link in links:
             link.proc.send_signal(signal.SIGUSR1)
 
-    def heal(self) -> None:
-        for link in self._links():
+    def _heal(self, federation: Federation) -> None:
+        for link in self._links(federation):
             link.proc.send_signal(signal.SIGUSR2)
 
     def detected(self) -> bool:
@@ -129,59 +142,60 @@ class SitePartition(Fault):
 class SiteBrownout(Fault):
     slowdown: float = BROWNOUT_FACTOR
 
-    def inject(self) -> None:
-        _post_all([url + "/_emulator/faults" for url in self._workers()], {"slowdown": self.slowdown})
-
-    def heal(self) -> None:
-        _post_all([url + "/_emulator/faults" for url in self._workers()], {"slowdown": 1.0})
+    def _inject(self, federation: Federation) -> None:
+        _post_all([url + "/_emulator/faults" for url in self._workers(federation)], {"slowdown": self.slowdown})
 
     @property
     def capacity_factor(self) -> float | None:
         return 1.0 / self.slowdown
 
     def detected(self) -> bool:
-        state = site_states(self.federation).get(self.site)
-        return state is not None and state.capacity_tok_s < 0.9 * self.capacity_before
+        state, before = self._state(), self.before
+        return state is not None and before is not None and state.capacity_tok_s < 0.9 * before.capacity_tok_s
 
 
 class WorkerLoss(Fault):
-    def inject(self) -> None:
-        _post_all([url + "/_emulator/die" for url in self._workers()[:WORKERS_LOST]], {})
+    def _inject(self, federation: Federation) -> None:
+        _post_all([url + "/_emulator/die" for url in self._workers(federation)[:WORKERS_LOST]], {})
 
     def detected(self) -> bool:
-        state = site_states(self.federation).get(self.site)
+        state = self._state()
         return state is not None and state.healthy_workers <= state.total_workers - WORKERS_LOST
 
     @property
-    def capacity_factor(self) -> float:
-        site = next(s for s in self.federation.config.sites if s.name == self.site)
-        return (site.gpus - WORKERS_LOST) / site.gpus
+    def capacity_factor(self) -> float | None:
+        if self.before is None or not self.before.total_workers:
+            return None
+        return (self.before.total_workers - WORKERS_LOST) / self.before.total_workers
 
 
 class SchedulerCrash(Fault):
-    """Kills replica 0 at the fault; with `all_replicas`, the rest `heal_after_s` later (the
-    'heal' here is the second blow). Detected when the gateway watches another replica, or
-    says it is degraded."""
+    """Kills replica 0 at the fault; then the rest `heal_after_s` later (the 'heal' here is the
+    second blow). Detected when the gateway watches another replica, or says it is degraded."""
 
-    def inject(self) -> None:
-        self.federation.child("scheduler 0").proc.send_signal(signal.SIGKILL)
+    heals = True
 
-    def heal(self) -> None:
-        for i in range(1, self.federation.config.scheduler_replicas):
-            self.federation.child(f"scheduler {i}").proc.send_signal(signal.SIGKILL)
+    def _inject(self, federation: Federation) -> None:
+        federation.child("scheduler 0").proc.send_signal(signal.SIGKILL)
+
+    def _heal(self, federation: Federation) -> None:
+        for i in range(1, federation.config.scheduler_replicas):
+            federation.child(f"scheduler {i}").proc.send_signal(signal.SIGKILL)
 
     def detected(self) -> bool:
-        health = admin.gateway_health(self.federation.config)
-        first = self.federation.config.scheduler_addresses[0]
-        return health.get("status") == "degraded" or (bool(health.get("scheduler")) and health["scheduler"] != first)
+        health = self.target.gateway_health()
+        watched, first = health.get("scheduler"), self.target.scheduler_addresses[0]
+        return health.get("status") == "degraded" or (bool(watched) and watched != first)
 
 
 class Drain(Fault):
+    """The operator's own `fedctl site drain`: the same on any federation, no command needed."""
+
     def inject(self) -> None:
-        admin.drain(_live_schedulers(self.federation), self.site)
+        admin.drain(self.target.live_schedulers(), self.site)
 
     def detected(self) -> bool:
-        state = site_states(self.federation).get(self.site)
+        state = self._state()
         return state is not None and state.status is wire.SiteStatus.DRAINING
 
     @property

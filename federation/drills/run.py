@@ -3,8 +3,10 @@
 Starts the embedded default (slowed as `fedctl bench` slows it, every worker's port pinned so
 faults can reach them), keeps it loaded in a closed loop (every finished request replaced at
 once, as a busy fleet is), injects the scenario's fault after a warm-up, and measures what the
-clients saw: requests failed and lost, the gateway's retries and resumed streams, how soon the
-fault was detected and throughput recovered, and throughput before, during and after.
+clients saw: requests failed and lost, the gateway's retries and resumed streams, how soon
+the fault was detected and throughput recovered, and throughput before, during and after.
+With `--endpoint` it drills a federation already running instead, broken by the operator's
+`--inject`/`--heal` commands (see `target.py`), and measures the same.
 
 `recovery_s`: seconds from the fault until throughput is back to 90 % of what the surviving
 capacity delivered before it (a crashed site's share gone, a browned-out site's divided by 4,
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from federation import runtime
+from federation import admin, runtime
 from federation.bench import scenarios
 from federation.bench.client import Result
 from federation.bench.run import bench_config
@@ -38,12 +40,11 @@ from federation.drills.faults import (
     BROWNOUT_FACTOR,
     SCENARIOS,
     Fault,
-    SchedulerCrash,
     SiteBrownout,
     poll_until,
-    site_states,
 )
 from federation.drills.sampler import SiteTokenSampler, gateway_counters
+from federation.drills.target import DrillError, Target
 from federation.embedded import Federation
 from federation.processes import free_port_block
 
@@ -71,7 +72,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("scenario", choices=sorted(SCENARIOS))
     p.add_argument("--site", default=None, help="the site hit (default: kr-mi300x; us-mi355x for brownout/loss)")
     p.add_argument("--config", type=Path, default=None)
-    p.add_argument("--speed", type=runtime.positive_float, default=DRILL_SPEED)
+    p.add_argument(
+        "--endpoint",
+        default=None,
+        help="drill this running federation's gateway (http://host:port) instead of starting the embedded default",
+    )
+    p.add_argument(
+        "--scheduler",
+        action="append",
+        default=None,
+        help="with --endpoint: a scheduler replica's host:port, repeatable (default: those the gateway's /health names)",
+    )
+    p.add_argument(
+        "--inject",
+        default=None,
+        metavar="CMD",
+        help="with --endpoint: the shell command that causes the fault (FEDCTL_DRILL_SITE names the site)",
+    )
+    p.add_argument(
+        "--heal",
+        default=None,
+        metavar="CMD",
+        help="with --endpoint: run --heal-after-s after the fault (site-partition: heal; scheduler-crash: kill the rest)",
+    )
+    p.add_argument(
+        "--speed",
+        type=runtime.positive_float,
+        default=None,
+        help=f"GPU speed (default {DRILL_SPEED} for the embedded default, 1 for --endpoint)",
+    )
     p.add_argument("--open-requests", type=runtime.positive_int, default=DRILL_OPEN_REQUESTS)
     p.add_argument(
         "--warmup-s", type=runtime.positive_float, default=DRILL_WARMUP_S, help="wall s of load before measuring"
@@ -108,23 +137,19 @@ def drill_config(args: argparse.Namespace) -> Config:
 
 
 def main(args: argparse.Namespace) -> int:
-    config = drill_config(args)
-    site = args.site or DEFAULT_SITE.get(args.scenario, REMOTE_SITE)
-    if site not in {s.name for s in config.sites}:
-        print(f"fedctl drill: no site named {site!r}", file=sys.stderr)
+    refused = _refusal(args)
+    if refused:
+        print(f"fedctl drill: {refused}", file=sys.stderr)
         return 2
     output = dataclasses.replace(DRILL_OUTPUT_TOKENS, mean=args.output_mean)
     samples = WorkloadSpec(4 * args.open_requests, args.seed, MLPERF_LIKE_PROMPTS, output).samples()
-    log_path = (args.json.parent if args.json else Path(".")) / "drill-logs" / f"{args.scenario}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.unlink(missing_ok=True)
-    with log_path.open("a") as log:
-        federation = Federation(config, log)
-        try:
-            federation.up()
-            report = _drill(federation, args, site, samples)
-        finally:
-            federation.down()
+    try:
+        report = _drill_endpoint(args, samples) if args.endpoint else _drill_embedded(args, samples)
+    except DrillError as exc:
+        print(f"fedctl drill: {exc}", file=sys.stderr)
+        return 1
+    if report is None:
+        return 2
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -132,13 +157,69 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _drill(federation: Federation, args: argparse.Namespace, site: str, samples) -> dict[str, Any]:
-    config = federation.config
-    endpoint = f"http://{config.host}:{config.gateway_port}/v1"
-    fault: Fault = SCENARIOS[args.scenario](site, federation)
+def _refusal(args: argparse.Namespace) -> str | None:
+    """Why these arguments cannot make a drill (None when they can)."""
+    operator_only = [flag for flag in ("scheduler", "inject", "heal") if getattr(args, flag)]
+    if not args.endpoint:
+        return f"--{operator_only[0]} needs --endpoint" if operator_only else None
+    if args.config:
+        return "--config describes the embedded default; --endpoint drills a running federation"
+    if args.scenario == "drain":
+        return "drain needs no --inject/--heal: it is `fedctl site drain`" if args.inject or args.heal else None
+    if not args.inject:
+        return f"{args.scenario} against --endpoint needs --inject CMD, the command that causes the fault"
+    return None
+
+
+def _drill_embedded(args: argparse.Namespace, samples) -> dict[str, Any] | None:
+    args.speed = args.speed or DRILL_SPEED
+    config = drill_config(args)
+    site = args.site or DEFAULT_SITE.get(args.scenario, REMOTE_SITE)
+    if site not in {s.name for s in config.sites}:
+        print(f"fedctl drill: no site named {site!r}", file=sys.stderr)
+        return None
+    log_path = (args.json.parent if args.json else Path(".")) / "drill-logs" / f"{args.scenario}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.unlink(missing_ok=True)
+    with log_path.open("a") as log:
+        federation = Federation(config, log)
+        try:
+            federation.up()
+            return _drill(Target.embedded(federation), args, site, samples)
+        finally:
+            federation.down()
+
+
+def _drill_endpoint(args: argparse.Namespace, samples) -> dict[str, Any] | None:
+    """An operator's federation: its gateway, its schedulers (named, or as the gateway names
+    them), broken by the operator's commands."""
+    args.speed = args.speed or 1.0
+    gateway_url = args.endpoint.rstrip("/").removesuffix("/v1")
+    health = admin.gateway_health(gateway_url)
+    schedulers = args.scheduler or health.get("schedulers") or []
+    if not schedulers:
+        print(f"fedctl drill: {gateway_url} names no scheduler ({health}); give --scheduler", file=sys.stderr)
+        return None
+    target = Target(gateway_url, list(schedulers), inject_command=args.inject, heal_command=args.heal)
+    states = target.site_states()
+    if not states:
+        print(f"fedctl drill: no scheduler replica answered: {', '.join(schedulers)}", file=sys.stderr)
+        return None
+    site = args.site or DEFAULT_SITE.get(args.scenario, REMOTE_SITE)
+    if site not in states:
+        print(
+            f"fedctl drill: no site named {site!r} (sites: {', '.join(sorted(states))}); name one with --site",
+            file=sys.stderr,
+        )
+        return None
+    return _drill(target, args, site, samples)
+
+
+def _drill(target: Target, args: argparse.Namespace, site: str, samples) -> dict[str, Any]:
+    fault: Fault = SCENARIOS[args.scenario](site, target)
     if isinstance(fault, SiteBrownout):
         fault.slowdown = args.slowdown
-    heals = isinstance(fault, SchedulerCrash) or args.scenario == "site-partition"
+    heals = fault.heals and (target.federation is not None or bool(target.heal_command))
     total_s = args.warmup_s + args.before_s + args.after_s
     outcome: dict[str, Any] = {}
 
@@ -147,23 +228,21 @@ def _drill(federation: Federation, args: argparse.Namespace, site: str, samples)
         # then decode waves would take minutes to even out into a fleet's steady mix.
         sustain = scenarios.Sustain(0.0, total_s * args.speed, ramp_s=args.warmup_s / 2 * args.speed)
         outcome["results"], outcome["window"] = scenarios.run_sustained(
-            endpoint, samples, args.open_requests, sustain, args.speed, f"drill {args.scenario}"
+            target.endpoint, samples, args.open_requests, sustain, args.speed, f"drill {args.scenario}"
         )
 
-    metrics_url = f"http://{config.host}:{config.gateway_port}/metrics"
-    sampler = SiteTokenSampler(metrics_url, lambda: site_states(federation))
+    sampler = SiteTokenSampler(target.metrics_url, target.site_states)
     sampler.start()
     thread = threading.Thread(target=load, name="drill load", daemon=True)
     started = time.monotonic()
     thread.start()
     fault_at = started + scenarios.START_DELAY_S + args.warmup_s + args.before_s
     time.sleep(max(0.0, fault_at - time.monotonic()))
-    counters_before = gateway_counters(metrics_url)
-    state = site_states(federation)
-    fault.capacity_before = state[site].capacity_tok_s if site in state else 0.0
+    counters_before = gateway_counters(target.metrics_url)
+    fault.before = target.site_states().get(site)
     print(f"fedctl drill: {args.scenario} at {site}", file=sys.stderr, flush=True)
     fault_at = time.monotonic()
-    fault.inject()
+    fault.inject()  # a DrillError leaves the load and the sampler to die with the process (daemons)
     detection_s = poll_until(fault.detected, DETECTION_TIMEOUT_S)
     heal_at = None
     if heals:
@@ -172,7 +251,7 @@ def _drill(federation: Federation, args: argparse.Namespace, site: str, samples)
         fault.heal()
     thread.join()
     samples = sampler.stop()
-    counters_after = gateway_counters(metrics_url) if _gateway_alive(federation) else counters_before
+    counters_after = gateway_counters(target.metrics_url) if target.gateway_alive() else counters_before
     results: list[Result] = outcome["results"]
     end = outcome["window"][1]
     line = timeline.build(results, samples, fault_at, args.speed, end)
@@ -188,10 +267,6 @@ def _drill(federation: Federation, args: argparse.Namespace, site: str, samples)
         timeline.plot(line, f"fedctl drill {args.scenario} ({site})", args.png)
         report["png"] = str(args.png)
     return report
-
-
-def _gateway_alive(federation: Federation) -> bool:
-    return all(c.alive() for c in federation.children if c.name.startswith("gateway"))
 
 
 def _report(
