@@ -8,9 +8,11 @@ import asyncio
 import gc
 import json
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import structlog
 import uvloop
 
 from federation import logs
@@ -47,6 +49,24 @@ GRPC_CHANNEL_OPTIONS = (
 # every thread (heartbeats included). Young collections stay frequent, full ones rare, and
 # what start-up built (modules, the tokenizer) is frozen out of them.
 GC_THRESHOLDS = (50_000, 20, 100)
+GC_PAUSE_LOGGED_S = 0.2  # a pause this long can make a 1 s heartbeat late: worth a line
+
+
+class GcPauseLog:
+    """Logs every collection that stopped the process for GC_PAUSE_LOGGED_S or more, so a
+    late heartbeat can be told from a slow network."""
+
+    def __init__(self) -> None:
+        self._started = 0.0
+        self._log = structlog.get_logger("runtime")
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._started = now
+        elif now - self._started >= GC_PAUSE_LOGGED_S:
+            pause_s = round(now - self._started, 3)
+            self._log.warning("runtime.gc_pause", pause_s=pause_s, generation=info["generation"])
 
 
 def run(serve: Callable[[argparse.Namespace], Awaitable[int]], args: argparse.Namespace) -> int:
@@ -54,6 +74,7 @@ def run(serve: Callable[[argparse.Namespace], Awaitable[int]], args: argparse.Na
     logs.configure()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+    gc.callbacks.append(GcPauseLog())
     return uvloop.run(serve(args))  # type: ignore[arg-type]
 
 

@@ -20,7 +20,7 @@ import structlog
 from federation import runtime, wire
 from nodes.agent import calibrate
 from nodes.agent.pool import WorkerPool
-from nodes.agent.reporter import LoopWatch, Reporter
+from nodes.agent.reporter import ReportFeed
 from nodes.agent.service import SiteAgentService
 from nodes.emulator.launch import EmulatorProcess, launch
 
@@ -114,13 +114,13 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
         args.model,
         *((measured.batch, measured.context_tokens, measured.tok_s) if measured else ()),
     )
-    watch = LoopWatch()
-    reporter = Reporter(registration, service.report, watch)
-    tasks = [asyncio.ensure_future(pool.check_forever()), asyncio.ensure_future(watch.tick_forever())]
+    reporter = ReportFeed(registration, service.report)
     reporter.start(args.scheduler)
+    feed = asyncio.ensure_future(reporter.feed_forever())
+    tasks = [asyncio.ensure_future(pool.check_forever()), feed]
     stop = runtime.stop_event()
     runtime.announce_ready(site=args.site, agent=address, workers=urls)
-    await stop.wait()
+    await asyncio.wait([asyncio.ensure_future(stop.wait()), feed], return_when=asyncio.FIRST_COMPLETED)
     log.info("agent.stopping", site=args.site)
     for t in tasks:
         t.cancel()
@@ -128,7 +128,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     await asyncio.to_thread(reporter.stop)
     await server.stop(GRACE_S)
     await service.close()
-    return 0
+    return 0 if stop.is_set() else 1
 
 
 def main(argv: list[str] | None = None) -> int:

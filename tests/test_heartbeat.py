@@ -1,0 +1,44 @@
+"""Site heartbeats leave from the agent's reporter process, so an agent stopped for a moment
+(a long collection of its heap, a loop busy in compiled code) is still up, and only an agent
+stopped for longer than the stall limit is down."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from federation import admin, wire
+from federation.drills.faults import poll_until
+from nodes.agent.reporter import LOOP_STALL_LIMIT_S
+
+SITE = "kr-mi300x"
+HEARTBEAT_S = 1.0  # the schedulers' rule: one report-less second and a site is down
+
+
+def _status(addresses) -> wire.SiteStatus:
+    state, _ = admin.replicas_state(addresses)
+    assert state is not None
+    return next(s.status for s in state.sites if s.name == SITE)
+
+
+@pytest.mark.timeout(120)
+def test_a_paused_agent_stays_up_and_a_hung_one_goes_down(make_federation) -> None:
+    """SIGSTOP on the agent's process: after 2 s (twice the heartbeat) the site is still ready,
+    reported by its reporter process; past the stall limit the reports stop and it is down;
+    SIGCONT, and it is ready again."""
+    fed, _ = make_federation()
+    addresses = list(fed.config.scheduler_addresses)
+    agent = fed.child(f"agent {SITE}").proc
+    assert _status(addresses) is wire.SiteStatus.READY
+    agent.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(2 * HEARTBEAT_S)
+        assert _status(addresses) is wire.SiteStatus.READY
+        down_after_s = poll_until(lambda: _status(addresses) is wire.SiteStatus.DOWN, LOOP_STALL_LIMIT_S + 5)
+        assert down_after_s is not None
+        assert 2 * HEARTBEAT_S + down_after_s >= LOOP_STALL_LIMIT_S
+    finally:
+        agent.send_signal(signal.SIGCONT)
+    assert poll_until(lambda: _status(addresses) is wire.SiteStatus.READY, 5.0) is not None
