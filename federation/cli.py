@@ -149,13 +149,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         }
         for s in state.sites
     ]
+    refused = [{"name": r.name, "reason": r.reason, "at_unix_s": round(r.at_unix_s, 3)} for r in state.refused]
     if args.json:
-        print(json.dumps({"model": state.model, "sites": rows, "schedulers": replicas, "degraded": False}, indent=2))
+        body = {"model": state.model, "sites": rows, "refused": refused, "schedulers": replicas, "degraded": False}
+        print(json.dumps(body, indent=2))
         return 0
     widths = {c: max([len(c), *(len(str(r[c])) for r in rows)]) for c in SITE_COLUMNS}
     print("  ".join(c.ljust(widths[c]) for c in SITE_COLUMNS))
     for r in rows:
         print("  ".join(str(r[c]).ljust(widths[c]) for c in SITE_COLUMNS))
+    for r in state.refused:
+        print(f"refused {r.name} at {time.strftime('%H:%M:%S', time.localtime(r.at_unix_s))}: {r.reason}")
     print("schedulers: " + ", ".join(f"{a} {status}" for a, status in replicas.items()))
     return 0
 

@@ -16,6 +16,7 @@ import yaml
 from scheduler.policy import POLICIES
 
 CONFIG_ENV = "FEDERATION_CONFIG"  # a YAML file used when --config is not given
+JOIN_TOKEN_ENV = "FEDERATION_JOIN_TOKEN"  # the credential a site presents to join (schedulers and agents)
 
 DEFAULT_YAML = """\
 model: openai/gpt-oss-120b

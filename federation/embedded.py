@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,7 +16,7 @@ import grpc
 
 from federation import wire
 from federation.admin import fetch_state
-from federation.config import Config
+from federation.config import JOIN_TOKEN_ENV, Config
 from federation.processes import Child, StartFailed, start_python
 
 READY_WAIT_S = 60.0  # sites must report ready within this long after their agents start
@@ -27,13 +29,16 @@ class Federation:
         self.config = config
         self.log = log  # where the processes' log lines go (default: our stderr)
         self.children: list[Child] = []
+        # The credential its sites join with: the operator's (FEDERATION_JOIN_TOKEN), or one
+        # made for this run, so no process that was not given it can join.
+        self.join_token = os.environ.get(JOIN_TOKEN_ENV) or secrets.token_urlsafe(24)
 
     def child(self, name: str) -> Child:
         """The process started as `name` ("scheduler 0", "agent kr-mi300x", "gateway", ...)."""
         return next(c for c in self.children if c.name == name)
 
     def _start(self, name: str, module: str, args: list[str]) -> Child:
-        child = start_python(name, module, args, log=self.log)
+        child = start_python(name, module, args, log=self.log, env={JOIN_TOKEN_ENV: self.join_token})
         self.children.append(child)
         return child
 

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -90,11 +90,12 @@ def start_python(
     wrapper: Sequence[str] = (),
     timeout_s: float = READY_TIMEOUT_S,
     log: IO[str] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Child:
-    """Run `python -m MODULE ARGS` (optionally under `wrapper`) and wait for its ready line.
-    Its log lines (stderr) go to `log`, or to ours."""
+    """Run `python -m MODULE ARGS` (optionally under `wrapper`, with `env` added to ours) and wait
+    for its ready line. Its log lines (stderr) go to `log`, or to ours."""
     cmd = [*wrapper, sys.executable, "-m", module, *args]
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(PROJECT_ROOT)}
     proc = subprocess.Popen(
         cmd,
         cwd=PROJECT_ROOT,

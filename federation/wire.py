@@ -51,6 +51,7 @@ class SiteRegistration:
     probe_batch: float = 0.0  # the calibration probe, per worker (0: not run)
     probe_context_tokens: float = 0.0
     probe_tok_s: float = 0.0
+    tokenizer: str = ""  # what the workers say they tokenize with ("": they do not say)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,16 @@ class SiteState:
 class FederationState:
     sites: tuple[SiteState, ...]
     model: str
+    refused: tuple[RefusedSite, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RefusedSite:
+    """A site that asked to join and was refused, and why."""
+
+    name: str
+    reason: str
+    at_unix_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +194,8 @@ def site_state_to_pb(s: SiteState) -> pb.SiteState:
 
 
 def federation_state_to_pb(s: FederationState) -> pb.FederationState:
-    return pb.FederationState(sites=[site_state_to_pb(x) for x in s.sites], model=s.model)
+    refused = [pb.RefusedSite(**_plain(r)) for r in s.refused]
+    return pb.FederationState(sites=[site_state_to_pb(x) for x in s.sites], model=s.model, refused=refused)
 
 
 def generate_request_to_pb(r: GenerateRequest) -> pb.GenerateRequest:
@@ -249,7 +261,8 @@ def site_state_from_pb(m: pb.SiteState) -> SiteState:
 
 
 def federation_state_from_pb(m: pb.FederationState) -> FederationState:
-    return FederationState(tuple(site_state_from_pb(s) for s in m.sites), m.model)
+    refused = tuple(RefusedSite(r.name, r.reason, r.at_unix_s) for r in m.refused)
+    return FederationState(tuple(site_state_from_pb(s) for s in m.sites), m.model, refused)
 
 
 def generate_request_from_pb(m: pb.GenerateRequest) -> GenerateRequest:

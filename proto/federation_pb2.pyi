@@ -32,7 +32,7 @@ COMMAND_UNDRAIN: Command
 COMMAND_REMOVE: Command
 
 class SiteRegistration(_message.Message):
-    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "model", "probe_batch", "probe_context_tokens", "probe_tok_s")
+    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "model", "probe_batch", "probe_context_tokens", "probe_tok_s", "tokenizer")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class SiteRegistration(_message.Message):
     PROBE_BATCH_FIELD_NUMBER: _ClassVar[int]
     PROBE_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBE_TOK_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     name: str
     region: str
     gpu: str
@@ -51,7 +52,8 @@ class SiteRegistration(_message.Message):
     probe_batch: float
     probe_context_tokens: float
     probe_tok_s: float
-    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., model: _Optional[str] = ..., probe_batch: _Optional[float] = ..., probe_context_tokens: _Optional[float] = ..., probe_tok_s: _Optional[float] = ...) -> None: ...
+    tokenizer: str
+    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., model: _Optional[str] = ..., probe_batch: _Optional[float] = ..., probe_context_tokens: _Optional[float] = ..., probe_tok_s: _Optional[float] = ..., tokenizer: _Optional[str] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("site", "prior_capacity_tok_s", "report_interval_s")
@@ -172,12 +174,24 @@ class SiteState(_message.Message):
     def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., status: _Optional[_Union[SiteStatus, str]] = ..., capacity_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., prior_capacity_tok_s: _Optional[float] = ..., capacity_evidence: _Optional[str] = ..., queued_requests: _Optional[int] = ..., slots: _Optional[int] = ...) -> None: ...
 
 class FederationState(_message.Message):
-    __slots__ = ("sites", "model")
+    __slots__ = ("sites", "model", "refused")
     SITES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     sites: _containers.RepeatedCompositeFieldContainer[SiteState]
     model: str
-    def __init__(self, sites: _Optional[_Iterable[_Union[SiteState, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
+    refused: _containers.RepeatedCompositeFieldContainer[RefusedSite]
+    def __init__(self, sites: _Optional[_Iterable[_Union[SiteState, _Mapping]]] = ..., model: _Optional[str] = ..., refused: _Optional[_Iterable[_Union[RefusedSite, _Mapping]]] = ...) -> None: ...
+
+class RefusedSite(_message.Message):
+    __slots__ = ("name", "reason", "at_unix_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    reason: str
+    at_unix_s: float
+    def __init__(self, name: _Optional[str] = ..., reason: _Optional[str] = ..., at_unix_s: _Optional[float] = ...) -> None: ...
 
 class SiteRef(_message.Message):
     __slots__ = ("site",)

@@ -83,6 +83,8 @@ class SchedulerServicer:
 
     def RegisterSite(self, request, context):
         """A site agent announces itself; refused sites get FAILED_PRECONDITION with the reason.
+        When the federation has a join credential, RegisterSite and Report carry it in the
+        `authorization` metadata ("Bearer <credential>"); without it they get UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,15 +1,20 @@
-"""`python -m scheduler --port 50051 --model openai/gpt-oss-120b [--rtt-ms A:B=130 ...]`"""
+"""`python -m scheduler --port 50051 --model openai/gpt-oss-120b [--rtt-ms A:B=130 ...]`
+
+Sites join only with the credential in FEDERATION_JOIN_TOKEN, when it is set (an environment
+variable, not a flag: command lines are visible to every user of the machine)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 import grpc
 import structlog
 
 from federation import runtime, wire
+from federation.config import JOIN_TOKEN_ENV
 from scheduler.policy import POLICIES
 from scheduler.service import SchedulerService
 
@@ -32,6 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--model", default="openai/gpt-oss-120b", help="the model every site must serve")
+    p.add_argument("--tokenizer", default="", help="the tokenizer every site must use (default: the model's)")
     p.add_argument(
         "--policy",
         choices=sorted(POLICIES),
@@ -46,7 +52,8 @@ async def serve(args: argparse.Namespace) -> int:
     rtt = {}
     for a, b, s in args.rtt_ms:
         rtt[(a, b)] = rtt[(b, a)] = s
-    service = SchedulerService(args.model, rtt, args.policy)
+    credential = os.environ.get(JOIN_TOKEN_ENV, "")
+    service = SchedulerService(args.model, rtt, args.policy, tokenizer=args.tokenizer, join_credential=credential)
     server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
     wire.add_scheduler_to_server(service, server)
     address = f"{args.host}:{args.port}"

@@ -11,7 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from federation.wire import RouteRequest, SiteRegistration, SiteReport, SiteState, SiteStatus
+from federation.wire import RefusedSite, RouteRequest, SiteRegistration, SiteReport, SiteState, SiteStatus
 from federation.work import expected_output_tokens
 from scheduler.capacity import CapacityEstimator
 from scheduler.policy import SiteLoad
@@ -62,25 +62,39 @@ class Site:
 
 
 class Registry:
-    def __init__(self, model: str, heartbeat_timeout_s: float) -> None:
+    def __init__(self, model: str, heartbeat_timeout_s: float, tokenizer: str = "") -> None:
         self.model = model
+        self.tokenizer = tokenizer or model  # SGLang's tokenizer path defaults to the model's
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.sites: dict[str, Site] = {}
+        self.refused: dict[str, RefusedSite] = {}  # by site name, until that site joins
+
+    def refuse(self, name: str, reason: str) -> RegistrationRefused:
+        """Remember why `name` was refused (for `fedctl status`); the error to raise."""
+        self.refused[name] = RefusedSite(name, reason, time.time())
+        return RegistrationRefused(reason)
 
     def register(self, reg: SiteRegistration) -> Site:
         if not reg.name:
             raise RegistrationRefused("a site needs a name")
         if reg.model != self.model:
-            raise RegistrationRefused(
-                f"site {reg.name!r} serves {reg.model!r}, but this federation serves {self.model!r}"
+            raise self.refuse(
+                reg.name, f"site {reg.name!r} serves {reg.model!r}, but this federation serves {self.model!r}"
+            )
+        if reg.tokenizer and reg.tokenizer != self.tokenizer:
+            raise self.refuse(
+                reg.name,
+                f"site {reg.name!r} tokenizes with {reg.tokenizer!r}, but this federation with {self.tokenizer!r}: "
+                "token counts, resumed streams and capacity would not agree",
             )
         try:
             estimator = CapacityEstimator.for_site(reg.gpu, reg.gpus)
             estimator.calibrate(reg.probe_batch, reg.probe_context_tokens, reg.probe_tok_s)
         except KeyError:
-            raise RegistrationRefused(f"unknown GPU {reg.gpu!r}: use mi300x or mi355x") from None
+            raise self.refuse(reg.name, f"unknown GPU {reg.gpu!r}: use mi300x or mi355x") from None
         if reg.gpus < 1 or not reg.agent_address:
-            raise RegistrationRefused("a site needs at least one GPU and an agent address")
+            raise self.refuse(reg.name, "a site needs at least one GPU and an agent address")
+        self.refused.pop(reg.name, None)
         old = self.sites.get(reg.name)
         site = Site(reg, estimator)
         if old is not None:  # an agent that restarted keeps its counters and admin state

@@ -6,6 +6,7 @@ Decides, never carries tokens. Errors map to gRPC status codes here and only her
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 from collections.abc import AsyncIterator, Mapping
 
@@ -32,9 +33,16 @@ class _StreamRefused(Exception):
 
 class SchedulerService(wire.SchedulerServicer):
     def __init__(
-        self, model: str, rtt_s: Mapping[tuple[str, str], float], policy: str = "least_expected_delay"
+        self,
+        model: str,
+        rtt_s: Mapping[tuple[str, str], float],
+        policy: str = "least_expected_delay",
+        *,
+        tokenizer: str = "",
+        join_credential: str = "",
     ) -> None:
-        self.registry = Registry(model, HEARTBEAT_TIMEOUT_S)
+        self.registry = Registry(model, HEARTBEAT_TIMEOUT_S, tokenizer)
+        self.join_credential = join_credential  # "": any site may join (a federation on one machine)
         self.rtt_s = dict(rtt_s)
         self.policy = POLICIES[policy]
         self._decisions = 0
@@ -55,8 +63,20 @@ class SchedulerService(wire.SchedulerServicer):
             for name in self.registry.expire(now):
                 log.warning("site.down", site=name, reason="no report within heartbeat timeout")
 
+    def _authenticated(self, context) -> bool:
+        """The call carries the federation's join credential (or none is needed)."""
+        if not self.join_credential:
+            return True
+        given = dict(context.invocation_metadata()).get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.join_credential}".encode())
+
     async def RegisterSite(self, request, context):
         reg = wire.registration_from_pb(request)
+        if not self._authenticated(context):
+            reason = f"site {reg.name!r} did not present this federation's join credential"
+            self.registry.refuse(reg.name, reason)
+            log.warning("site.refused", site=reg.name, reason=reason)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
         try:
             site = self.registry.register(reg)
         except RegistrationRefused as exc:
@@ -75,6 +95,8 @@ class SchedulerService(wire.SchedulerServicer):
 
     async def Report(self, request_iterator, context):
         """Reports in, commands out. The stream's end marks the site down at once."""
+        if not self._authenticated(context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "reports need this federation's join credential")
         commands: asyncio.Queue[wire.SchedulerCommand] = asyncio.Queue()
         reader = asyncio.ensure_future(self._read_reports(request_iterator, commands))
         getter: asyncio.Future[wire.SchedulerCommand] | None = None
@@ -128,7 +150,7 @@ class SchedulerService(wire.SchedulerServicer):
         return wire.decision_to_pb(decision)
 
     def _state(self) -> wire.FederationState:
-        return wire.FederationState(self.registry.states(), self.registry.model)
+        return wire.FederationState(self.registry.states(), self.registry.model, tuple(self.registry.refused.values()))
 
     async def GetState(self, request, context):
         return wire.federation_state_to_pb(self._state())

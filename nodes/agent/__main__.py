@@ -4,13 +4,16 @@
         --port 50062 --scheduler 127.0.0.1:50051 --emulate --speed 0.1
     python -m nodes.agent ... --worker-url http://gpu-host-1:30000 --worker-url ...
 
-With `--emulate` it launches an emulator process with one worker per GPU and owns it.
+With `--emulate` it launches an emulator process with one worker per GPU and owns it. It
+registers the model and tokenizer its workers say they serve, with the join credential in
+FEDERATION_JOIN_TOKEN when the federation has one.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 import aiohttp
@@ -18,6 +21,7 @@ import grpc
 import structlog
 
 from federation import runtime, wire
+from federation.config import JOIN_TOKEN_ENV
 from nodes.agent import calibrate
 from nodes.agent.pool import WorkerPool
 from nodes.agent.reporter import ReportFeed
@@ -103,6 +107,10 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     except RuntimeError as exc:
         log.error("agent.bind_failed", address=address, error=str(exc))
         return 1
+    served = _what_workers_serve(pool, args.model)
+    if served is None:
+        return 1
+    model, tokenizer = served
     await server.start()
     measured = await calibrate.probe(pool)
     registration = wire.SiteRegistration(
@@ -111,10 +119,11 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
         args.gpu,
         args.gpus,
         args.advertise or address,
-        args.model,
-        *((measured.batch, measured.context_tokens, measured.tok_s) if measured else ()),
+        model,
+        *((measured.batch, measured.context_tokens, measured.tok_s) if measured else (0.0, 0.0, 0.0)),
+        tokenizer=tokenizer,
     )
-    reporter = ReportFeed(registration, service.report)
+    reporter = ReportFeed(registration, service.report, os.environ.get(JOIN_TOKEN_ENV, ""))
     reporter.start(args.scheduler)
     feed = asyncio.ensure_future(reporter.feed_forever())
     tasks = [asyncio.ensure_future(pool.check_forever()), feed]
@@ -129,6 +138,19 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     await server.stop(GRACE_S)
     await service.close()
     return 0 if stop.is_set() else 1
+
+
+def _what_workers_serve(pool: WorkerPool, declared_model: str) -> tuple[str, str] | None:
+    """(model, tokenizer) as the workers say they serve them: what the site registers, so the
+    schedulers check what the site really runs, not what it was told to run. None when the
+    workers disagree (a site must serve one model)."""
+    infos = [w.info for w in pool.workers if w.info is not None]
+    models = {i.served_model for i in infos if i.served_model}
+    tokenizers = {i.tokenizer for i in infos if i.tokenizer}
+    if len(models) > 1 or len(tokenizers) > 1:
+        log.error("agent.workers_disagree", models=sorted(models), tokenizers=sorted(tokenizers))
+        return None
+    return next(iter(models), declared_model), next(iter(tokenizers), "")
 
 
 def main(argv: list[str] | None = None) -> int:

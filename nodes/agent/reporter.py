@@ -47,9 +47,12 @@ STOP_TIMEOUT_S = 5.0
 class ReportFeed:
     """The agent's side: starts the reporter process and feeds it snapshots of the load."""
 
-    def __init__(self, registration: wire.SiteRegistration, make_report: Callable[[], wire.SiteReport]) -> None:
+    def __init__(
+        self, registration: wire.SiteRegistration, make_report: Callable[[], wire.SiteReport], credential: str = ""
+    ) -> None:
         self.registration = registration
         self.make_report = make_report
+        self.credential = credential
         self._conn: Connection | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
 
@@ -59,7 +62,7 @@ class ReportFeed:
         receiver, self._conn = context.Pipe(duplex=False)
         self._process = context.Process(
             target=_reporter_main,
-            args=(self.registration, scheduler_addresses, receiver),
+            args=(self.registration, scheduler_addresses, self.credential, receiver),
             name=f"reporter {self.registration.name}",
             daemon=True,
         )
@@ -110,12 +113,14 @@ class Snapshots:
         return time.monotonic() - self.received_at > LOOP_STALL_LIMIT_S
 
 
-def _reporter_main(registration: wire.SiteRegistration, scheduler_addresses: list[str], conn: Connection) -> None:
+def _reporter_main(
+    registration: wire.SiteRegistration, scheduler_addresses: list[str], credential: str, conn: Connection
+) -> None:
     """The reporter process: report to every replica until the agent closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops the agent, and the agent stops us
     logs.configure()
     snapshots = Snapshots(conn)
-    reporter = Reporter(registration, snapshots)
+    reporter = Reporter(registration, snapshots, credential)
     reporter.start(scheduler_addresses)
     snapshots.receive_forever()
     reporter.stop()
@@ -126,9 +131,10 @@ class Reporter:
     snapshot every interval, obey commands that come back; on any failure, back off and
     start over."""
 
-    def __init__(self, registration: wire.SiteRegistration, snapshots: Snapshots) -> None:
+    def __init__(self, registration: wire.SiteRegistration, snapshots: Snapshots, credential: str = "") -> None:
         self.registration = registration
         self.snapshots = snapshots
+        self.metadata = (("authorization", f"Bearer {credential}"),) if credential else ()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._calls: set[grpc.Future] = set()  # open report streams, cancelled at stop
@@ -155,11 +161,15 @@ class Reporter:
                 call = None
                 try:
                     registered = wire.registered_from_pb(
-                        stub.RegisterSite(wire.registration_to_pb(self.registration), timeout=REGISTER_TIMEOUT_S)
+                        stub.RegisterSite(
+                            wire.registration_to_pb(self.registration),
+                            timeout=REGISTER_TIMEOUT_S,
+                            metadata=self.metadata,
+                        )
                     )
                     log.info("reporter.registered", scheduler=scheduler_address, site=registered.site)
                     attempt = 0
-                    call = stub.Report(self._reports(registered.report_interval_s))
+                    call = stub.Report(self._reports(registered.report_interval_s), metadata=self.metadata)
                     self._calls.add(call)
                     for msg in call:
                         command = wire.command_from_pb(msg)
@@ -173,7 +183,8 @@ class Reporter:
                 except grpc.RpcError as exc:
                     if self._stop.is_set():
                         return  # our own cancel
-                    level = log.error if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else log.warning
+                    refused = exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED)
+                    level = log.error if refused else log.warning
                     level(
                         "reporter.disconnected", scheduler=scheduler_address, code=exc.code().name, detail=exc.details()
                     )

@@ -53,10 +53,13 @@ class WorkerStats:
 
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
-    """What a worker's /server_info says once: how it streams and how many requests it runs at once."""
+    """What a worker's /server_info says once: what it serves, how it streams and how many
+    requests it runs at once."""
 
     incremental: bool
     max_running_requests: int | None  # None: the worker does not say; the agent then sets no limit
+    served_model: str = ""  # the name it answers to ("": it does not say)
+    tokenizer: str = ""
 
 
 def _error_message(body: Any) -> str:
@@ -168,9 +171,12 @@ async def server_info(session: aiohttp.ClientSession, url: str, timeout_s: float
     effective = states[0].get("effective_max_running_requests_per_dp") if isinstance(states, list) and states else None
     limit = effective if isinstance(effective, int) else info.get("max_running_requests")
     dp = info.get("dp_size") if isinstance(info.get("dp_size"), int) else 1
+    model_path = info.get("model_path") or ""
     return WorkerInfo(
         incremental=bool(info.get("incremental_streaming_output", False)),
         max_running_requests=limit * dp if isinstance(limit, int) and limit > 0 else None,
+        served_model=str(info.get("served_model_name") or model_path),
+        tokenizer=str(info.get("tokenizer_path") or model_path),
     )
 
 

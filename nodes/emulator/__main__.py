@@ -47,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--model-path", default="openai/gpt-oss-120b")
     p.add_argument("--served-model-name", default=None, help="defaults to --model-path")
+    p.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
     p.add_argument("--incremental-streaming-output", action="store_true")
     faults = p.add_argument_group("faults (for drills; also settable at POST /_emulator/faults)")
     faults.add_argument("--slowdown", type=runtime.at_least_one, default=1.0, help="brownout factor")
@@ -73,6 +74,7 @@ def worker_configs(args: argparse.Namespace) -> list[WorkerConfig]:
             speed=args.speed,
             model_path=args.model_path,
             served_model_name=args.served_model_name or args.model_path,
+            tokenizer_path=args.tokenizer_path or args.model_path,
             mean_output_tokens=args.mean_output_tokens,
             max_running_requests=args.max_running_requests,
             stream_chunk_ms=args.stream_chunk_ms,

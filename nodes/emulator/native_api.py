@@ -158,7 +158,7 @@ def _model_info(worker: EmulatedWorker) -> dict[str, Any]:
     return {
         "model_path": c.model_path,
         "served_model_name": c.served_model_name,
-        "tokenizer_path": c.model_path,
+        "tokenizer_path": c.tokenizer_path,
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": "default",
@@ -177,7 +177,7 @@ def _server_args(worker: EmulatedWorker) -> dict[str, Any]:
     c, e = worker.config, worker.engine
     return {
         "model_path": c.model_path,
-        "tokenizer_path": c.model_path,
+        "tokenizer_path": c.tokenizer_path,
         "served_model_name": c.served_model_name,
         "host": c.host,
         "port": c.port,

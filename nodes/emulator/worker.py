@@ -32,6 +32,7 @@ class WorkerConfig:
     speed: float = 1.0
     model_path: str = "openai/gpt-oss-120b"
     served_model_name: str = "openai/gpt-oss-120b"
+    tokenizer_path: str = "openai/gpt-oss-120b"
     mean_output_tokens: float = 1278.0  # MLPerf gpt-oss-120b mean output length
     max_running_requests: int | None = None
     stream_chunk_ms: float = 100.0  # emulated ms between SSE events of one stream
