@@ -120,6 +120,7 @@ class SiteState:
     capacity_evidence: str = ""
     queued_requests: int = 0
     slots: int = 0
+    admit_window: int = 0  # slow start: the slots routing may fill while the site proves itself; 0: all
 
 
 @dataclass(frozen=True, slots=True)

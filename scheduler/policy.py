@@ -24,6 +24,7 @@ class SiteLoad:
     prior_capacity_tok_s: float = 0.0  # declared: GPU profile x GPU count
     slots: int = 0  # requests its healthy workers run at once; 0: unknown
     prefill_s_per_token: float = 0.0  # measured speed applied to the GPU's prefill cost
+    window: int = 0  # slow start: of its slots, how many it has proven it can fill (0: all)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +60,9 @@ def least_expected_delay(sites: Sequence[SiteLoad], req: RouteRequest, ctx: Rout
     from the client's region (when the client says where it is), plus its prefill there, plus
     a small penalty for how full the site is. Sites with free slots fill in proportion to their
     slots; once all are full, queues grow in proportion to capacity — every site saturated, none
-    with an idle slot while another has a queue. None when no site can take it."""
+    with an idle slot while another has a queue. A site in slow start offers only the slots
+    it has proven (`window`): beyond them, its requests count as waiting. None when no site
+    can take it."""
     work = expected_output_tokens(req.max_tokens)
 
     def delay(s: SiteLoad) -> float:
@@ -68,12 +71,16 @@ def least_expected_delay(sites: Sequence[SiteLoad], req: RouteRequest, ctx: Rout
         prefill = req.prompt_tokens * s.prefill_s_per_token
         if s.slots <= 0:  # the site does not say how many it runs: all its work counts as queued
             return (s.outstanding_tokens + work) / s.capacity_tok_s + wan + prefill
-        waiting = max(0, s.outstanding_requests + 1 - s.slots)
+        open_slots = min(s.slots, s.window) if s.window else s.slots
+        waiting = max(0, s.outstanding_requests + 1 - open_slots)
         per_request = s.outstanding_tokens / s.outstanding_requests if s.outstanding_requests else work
         return waiting * per_request / s.capacity_tok_s + wan + prefill
 
     def score(s: SiteLoad) -> float:
-        fill = min(1.0, (s.outstanding_requests + 1) / s.slots) if s.slots > 0 else 0.0
+        if s.window and s.outstanding_requests + 1 > s.window:
+            fill = 1.0  # past what it has proven: as full as a full site, whatever its free slots
+        else:
+            fill = min(1.0, (s.outstanding_requests + 1) / s.slots) if s.slots > 0 else 0.0
         return delay(s) + FILL_PENALTY_S * fill
 
     return _pick("least_expected_delay", [(score(s), s) for s in _candidates(sites, req)], delay)

@@ -15,6 +15,7 @@ from federation.wire import RefusedSite, RouteRequest, SiteRegistration, SiteRep
 from federation.work import expected_output_tokens
 from scheduler.capacity import CapacityEstimator
 from scheduler.policy import SiteLoad
+from scheduler.slowstart import SlowStart
 
 # Routes still in transit are those the agent has not taken yet: in an Offline burst grpc.aio
 # takes calls one per loop turn, so thousands may wait in its queue for seconds. A route not
@@ -35,6 +36,7 @@ class UnknownSite(KeyError):
 class Site:
     registration: SiteRegistration
     estimator: CapacityEstimator
+    slow_start: SlowStart
     status: SiteStatus = SiteStatus.JOINING
     last_report_at: float = 0.0
     report: SiteReport | None = None
@@ -96,7 +98,7 @@ class Registry:
             raise self.refuse(reg.name, "a site needs at least one GPU and an agent address")
         self.refused.pop(reg.name, None)
         old = self.sites.get(reg.name)
-        site = Site(reg, estimator)
+        site = Site(reg, estimator, SlowStart.begin(reg.probe_batch, reg.gpus))
         if old is not None:  # an agent that restarted keeps its counters and admin state
             site.routed_requests, site.draining = old.routed_requests, old.draining
         self.sites[reg.name] = site
@@ -114,6 +116,7 @@ class Registry:
             site.estimator.observe(report, now - site.last_report_at)
         site.report = report
         site.last_report_at = now
+        site.slow_start.observe(report.running_requests, report.gen_throughput_tok_s, site.capacity_tok_s, report.slots)
         while site.recent_routes and site.recent_routes[0][0] < now - IN_TRANSIT_S:
             site.recent_routes.popleft()
             site.routes_past_transit += 1
@@ -170,6 +173,7 @@ class Registry:
                 s.prior_capacity_tok_s,
                 s.report.slots if s.report else 0,
                 s.estimator.prefill_s_per_token(),
+                s.slow_start.window,
             )
             for s in self.sites.values()
             if s.status is SiteStatus.READY
@@ -213,4 +217,5 @@ class Registry:
             capacity_evidence=s.estimator.evidence,
             queued_requests=s.report.queued_requests if s.report else 0,
             slots=s.report.slots if s.report else 0,
+            admit_window=s.slow_start.window,
         )

@@ -156,3 +156,13 @@ def test_past_saturation_no_site_idles_while_another_queues() -> None:
     queued = {name: s.outstanding_requests - s.slots for name, s in sites.items()}
     assert min(queued.values()) > 0, queued
     assert abs(queued["us"] / queued["kr"] - 226 / 50) < 0.3, queued
+
+
+def test_a_site_in_slow_start_takes_only_its_window_while_another_has_room() -> None:
+    """A site that just joined has proven 128 of its 8,192 slots: of 2,000 new requests it
+    takes about its window, and the rest go to the site that has room, though the newcomer's
+    other slots are empty."""
+    kr = SiteLoad("kr", "ap-northeast-2", "kr:1", 50_000, 0, slots=4096)
+    eu = SiteLoad("eu", "us-west-2", "eu:1", 113_000, 0, slots=8192, window=128)
+    sites = _fill({"kr": kr, "eu": eu}, 2_000)
+    assert 128 <= sites["eu"].outstanding_requests <= 160, sites["eu"]
