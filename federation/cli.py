@@ -3,6 +3,7 @@
 fedctl up [--config FILE] [--port 8080] [--speed X]   the embedded default, or FILE's
 fedctl status [--json] [--scheduler HOST:PORT]         the sites as the schedulers see them
 fedctl site drain|undrain|remove NAME                  stop new work at a site, resume it, drop it
+fedctl site add --name N --region R --gpu G --gpus N --emulate   a new site joins `fedctl up`
 fedctl bench [--scenario offline|server] [--json FILE]  throughput and latency (fedctl bench -h)
 fedctl drill SCENARIO [--json FILE] [--png FILE]       a fault under load (fedctl drill -h)
 """
@@ -10,18 +11,22 @@ fedctl drill SCENARIO [--json FILE] [--png FILE]       a fault under load (fedct
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import queue
 import signal
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
-from federation import admin, runtime
+from federation import admin, control, runtime
 from federation.bench import run as bench
-from federation.config import ConfigError, load
+from federation.config import ConfigError, SiteConfig, load
 from federation.drills import run as drills
 from federation.embedded import Federation
-from federation.processes import StartFailed
+from federation.processes import StartFailed, free_port_block
+from nodes.emulator.profiles import PROFILES
 from scheduler.policy import POLICIES
 
 
@@ -40,13 +45,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     status = sub.add_parser("status", help="list the sites")
     status.add_argument("--json", action="store_true")
     _add_target(status)
-    site = sub.add_parser("site", help="drain, undrain or remove a site").add_subparsers(dest="action", required=True)
+    site = sub.add_parser("site", help="add, drain, undrain or remove a site").add_subparsers(
+        dest="action", required=True
+    )
     drain = site.add_parser("drain", help="no new work; wait until what it has is finished")
     drain.add_argument("name")
     drain.add_argument("--no-wait", action="store_true", help="return once every replica has it draining")
     drain.add_argument("--timeout-s", type=runtime.positive_float, default=3600.0, help="give up waiting after this")
     for action, text in (("undrain", "let new work go to the site again"), ("remove", "forget the site")):
         site.add_parser(action, help=text).add_argument("name")
+    add = site.add_parser("add", help="a new site joins the running federation (`fedctl up`)")
+    add.add_argument("--name", required=True)
+    add.add_argument("--region", required=True)
+    add.add_argument("--gpu", required=True, choices=sorted(PROFILES))
+    add.add_argument("--gpus", type=runtime.positive_int, required=True)
+    add.add_argument("--emulate", action="store_true", help="emulated workers, started by the running `fedctl up`")
     for parser in site.choices.values():
         _add_target(parser)
     bench.add_arguments(sub.add_parser("bench", help="measure the federation, its sites alone and the peers"))
@@ -72,15 +85,18 @@ def _interrupt(*_: object) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     config = load(args.config).with_overrides(port=args.port, speed=args.speed, policy=args.policy)
     federation = Federation(config)
+    jobs: queue.Queue = queue.Queue()
+    controls = control.ControlServer(control.socket_path(config), _site_adder(jobs))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops us like Ctrl-C, even mid start-up
     try:
         federation.up()
+        controls.start()
         endpoint = config.gateway_url + "/v1"
         runtime.announce_ready(endpoint=endpoint, sites=[s.name for s in config.sites], speed=config.speed)
         print(f"federation ready: {endpoint}  (fedctl status; Ctrl-C stops it)", file=sys.stderr, flush=True)
         reported: set[str] = set()
         while True:
-            time.sleep(0.5)
+            _add_pending_sites(federation, jobs, wait_s=0.5)
             dead = {c.name for c in federation.children if not c.alive()}
             for name in sorted(dead - reported):  # a site or a scheduler replica may die: the rest serve on
                 print(f"fedctl: {name} exited; the federation serves on without it", file=sys.stderr, flush=True)
@@ -97,7 +113,44 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        controls.stop()
         federation.down()
+
+
+def _site_adder(jobs: queue.Queue) -> control.Handler:
+    """What `fedctl up` does when `fedctl site add --emulate` asks. The site is started by the
+    main thread (`_add_pending_sites`): a child is told to die with the thread that started it,
+    and this handler's thread ends with the connection."""
+
+    def handle(request: dict) -> dict:
+        spec = request.get("site")
+        if request.get("command") != "add_site" or not isinstance(spec, dict):
+            return {"error": f"unknown request {request!r}"}
+        try:
+            site = SiteConfig(str(spec["name"]), str(spec["region"]), str(spec["gpu"]), int(spec["gpus"]), 0)
+        except (KeyError, TypeError, ValueError) as exc:
+            return {"error": f"a site needs name, region, gpu and gpus: {exc}"}
+        if site.gpu not in PROFILES or site.gpus < 1 or not site.name:
+            return {"error": f"a site needs a name, a GPU ({', '.join(sorted(PROFILES))}) and at least 1 GPU"}
+        done: Future[dict] = Future()
+        jobs.put((dataclasses.replace(site, agent_port=free_port_block(1)), done))
+        return done.result()
+
+    return handle
+
+
+def _add_pending_sites(federation: Federation, jobs: queue.Queue, wait_s: float) -> None:
+    """Start the sites `fedctl site add` asked for (waiting up to `wait_s` for one)."""
+    try:
+        site, done = jobs.get(timeout=wait_s)
+    except queue.Empty:
+        return
+    try:
+        federation.add_site(site)
+    except (ValueError, StartFailed) as exc:
+        done.set_result({"error": str(exc)})
+    else:
+        done.set_result({"site": site.name, "agent": f"{federation.config.host}:{site.agent_port}"})
 
 
 SITE_COLUMNS = (
@@ -166,7 +219,33 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_site_add(args: argparse.Namespace) -> int:
+    """Ask the running `fedctl up` of this config to start the site; it answers once the site
+    is ready at every scheduler replica."""
+    if not args.emulate:
+        print(
+            "fedctl: a site with real workers joins by itself: start its agent (python -m nodes.agent "
+            "--scheduler ... --worker-url ...) with FEDERATION_JOIN_TOKEN set; use --emulate for emulated workers",
+            file=sys.stderr,
+        )
+        return 2
+    config = load(args.config)
+    site = {"name": args.name, "region": args.region, "gpu": args.gpu, "gpus": args.gpus}
+    try:
+        reply = control.request(control.socket_path(config), {"command": "add_site", "site": site})
+    except control.NotRunning as exc:
+        print(f"fedctl: {exc}: start the federation with `fedctl up` first", file=sys.stderr)
+        return 1
+    if "error" in reply:
+        print(f"fedctl: {args.name} not added: {reply['error']}", file=sys.stderr)
+        return 2
+    print(f"{args.name}: joined, agent at {reply['agent']}; its share grows as it proves its capacity")
+    return 0
+
+
 def cmd_site(args: argparse.Namespace) -> int:
+    if args.action == "add":
+        return cmd_site_add(args)
     addresses = _schedulers(args)
     try:
         if args.action == "remove":

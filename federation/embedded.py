@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import time
@@ -16,7 +17,7 @@ import grpc
 
 from federation import wire
 from federation.admin import fetch_state
-from federation.config import JOIN_TOKEN_ENV, Config
+from federation.config import JOIN_TOKEN_ENV, Config, SiteConfig
 from federation.processes import Child, StartFailed, start_python
 
 READY_WAIT_S = 60.0  # sites must report ready within this long after their agents start
@@ -60,56 +61,71 @@ class Federation:
             scheduler_args = ["--host", c.host, "--port", str(port), "--model", c.model, "--policy", c.policy]
             self._start(f"scheduler {i}", "scheduler", [*scheduler_args, *rtt_args])
         for site in c.sites:
-            to_schedulers, advertise = list(c.scheduler_addresses), f"{c.host}:{site.agent_port}"
-            rtt = c.rtt_between(site.region, c.scheduler_region)
-            if rtt:
-                to_schedulers = [
-                    self._link(f"link {site.name}->scheduler {i}", c.scheduler_port + i, rtt)
-                    for i in range(c.scheduler_replicas)
-                ]
-            rtt = c.rtt_between(site.region, c.gateway_region)
-            if rtt:
-                advertise = self._link(f"link gateway->{site.name}", site.agent_port, rtt)
-            self._start(
-                f"agent {site.name}",
-                "nodes.agent",
-                [
-                    "--site",
-                    site.name,
-                    "--region",
-                    site.region,
-                    "--gpu",
-                    site.gpu,
-                    "--gpus",
-                    str(site.gpus),
-                    "--model",
-                    c.model,
-                    "--host",
-                    c.host,
-                    "--port",
-                    str(site.agent_port),
-                    "--advertise",
-                    advertise,
-                    *[arg for address in to_schedulers for arg in ("--scheduler", address)],
-                    "--emulate",
-                    "--speed",
-                    str(c.speed),
-                    "--emulator-stream-chunk-ms",
-                    str(c.stream_chunk_ms),
-                    *(["--emulator-port", str(site.worker_port)] if site.worker_port else []),
-                ],
-            )
+            self._start_site(site)
         gateway_args = ["--host", c.host, "--port", str(c.gateway_port), "--model", c.model, "--policy", c.policy]
         gateway_args += [arg for address in c.scheduler_addresses for arg in ("--scheduler", address)]
         gateway_args += ["--ttft-budget-ms", str(c.ttft_budget_ms)]
         shared = ["--reuse-port"] if c.gateway_processes > 1 else []
         for i in range(c.gateway_processes):
             self._start(f"gateway {i}" if shared else "gateway", "federation.gateway", [*gateway_args, *shared])
-        self._wait_sites_ready()
+        self._wait_sites_ready({s.name for s in c.sites})
 
-    def _wait_sites_ready(self) -> None:
-        """Every site ready at every scheduler replica."""
-        wanted = {s.name for s in self.config.sites}
+    def _start_site(self, site: SiteConfig) -> None:
+        """A site's agent (with its emulated workers) and, for a remote region, its WAN links."""
+        c = self.config
+        to_schedulers, advertise = list(c.scheduler_addresses), f"{c.host}:{site.agent_port}"
+        rtt = c.rtt_between(site.region, c.scheduler_region)
+        if rtt:
+            to_schedulers = [
+                self._link(f"link {site.name}->scheduler {i}", c.scheduler_port + i, rtt)
+                for i in range(c.scheduler_replicas)
+            ]
+        rtt = c.rtt_between(site.region, c.gateway_region)
+        if rtt:
+            advertise = self._link(f"link gateway->{site.name}", site.agent_port, rtt)
+        self._start(
+            f"agent {site.name}",
+            "nodes.agent",
+            [
+                "--site",
+                site.name,
+                "--region",
+                site.region,
+                "--gpu",
+                site.gpu,
+                "--gpus",
+                str(site.gpus),
+                "--model",
+                c.model,
+                "--host",
+                c.host,
+                "--port",
+                str(site.agent_port),
+                "--advertise",
+                advertise,
+                *[arg for address in to_schedulers for arg in ("--scheduler", address)],
+                "--emulate",
+                "--speed",
+                str(c.speed),
+                "--emulator-stream-chunk-ms",
+                str(c.stream_chunk_ms),
+                *(["--emulator-port", str(site.worker_port)] if site.worker_port else []),
+            ],
+        )
+
+    def add_site(self, site: SiteConfig) -> None:
+        """A new site joins the running federation (`fedctl site add --emulate`); returns once
+        every scheduler replica has it ready (it then earns its share by slow start)."""
+        if any(s.name == site.name for s in self.config.sites):
+            raise ValueError(f"a site named {site.name!r} is already in this federation")
+        self.config = dataclasses.replace(self.config, sites=(*self.config.sites, site))
+        started = len(self.children)
+        self._start_site(site)
+        self._wait_sites_ready({site.name}, started)
+
+    def _wait_sites_ready(self, wanted: set[str], started: int = 0) -> None:
+        """These sites ready at every scheduler replica (while none of the processes started
+        from `self.children[started]` on has exited)."""
         deadline = time.monotonic() + READY_WAIT_S
         while time.monotonic() < deadline:
             try:
@@ -121,7 +137,7 @@ class Federation:
                 everywhere = [set()]
             if all(wanted <= ready for ready in everywhere):
                 return
-            dead = [c.name for c in self.children if not c.alive()]
+            dead = [c.name for c in self.children[started:] if not c.alive()]
             if dead:
                 raise StartFailed(f"{', '.join(dead)} exited during start-up")
             time.sleep(0.2)
