@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -10,12 +12,24 @@ import pytest
 
 from federation.config import load
 from federation.embedded import Federation
+from federation.processes import PROJECT_ROOT
 from nodes.emulator.launch import EmulatorProcess as Emulator
 from nodes.emulator.launch import launch
 from tests.test_federation import _config
 
 SITES = [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")]
-FAST = "20"  # emulated GPUs 20x faster than real ones: tests finish in seconds
+FAST = "20"
+
+
+def fedctl(*args: str, timeout_s: float = 150) -> subprocess.CompletedProcess:
+    """`fedctl ARGS` as an operator runs it: its exit code and what it printed."""
+    return subprocess.run(
+        [sys.executable, "-m", "federation.cli", *args],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )  # emulated GPUs 20x faster than real ones: tests finish in seconds
 
 
 @pytest.fixture(scope="session")

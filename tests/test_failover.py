@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -18,8 +17,7 @@ import pytest
 from federation import tokens
 from federation.drills.sampler import gateway_counters, site_tokens
 from federation.embedded import Federation
-from federation.processes import PROJECT_ROOT
-from tests.conftest import SITES
+from tests.conftest import SITES, fedctl
 from tests.test_federation import MODEL
 
 
@@ -143,13 +141,7 @@ async def test_a_client_error_from_a_site_is_not_retried(make_federation) -> Non
 
 
 def _status(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "federation.cli", "status", "--config", str(path)],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    return fedctl("status", "--config", str(path), timeout_s=30)
 
 
 @pytest.mark.timeout(120)

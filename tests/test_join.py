@@ -5,7 +5,6 @@ site (so no request is routed to it), and `fedctl status` tells the operator why
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,20 +12,15 @@ import pytest
 from federation.config import JOIN_TOKEN_ENV
 from federation.drills.faults import poll_until
 from federation.embedded import Federation
-from federation.processes import PROJECT_ROOT, Child, free_port_block, start_python
+from federation.processes import Child, free_port_block, start_python
 from nodes.emulator.launch import launch
+from tests.conftest import fedctl
 
 NEWCOMER = "eu-mi355x"
 
 
 def _status(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "federation.cli", "status", "--config", str(path)],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    return fedctl("status", "--config", str(path), timeout_s=30)
 
 
 def _agent(fed: Federation, credential: str, *workers: str) -> Child:

@@ -6,25 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import openai
 import pytest
 
-from federation.processes import PROJECT_ROOT, start_python
-from tests.conftest import SITES
+from federation.processes import start_python
+from tests.conftest import SITES, fedctl
 from tests.test_federation import MODEL, _config
 
 NEWCOMER = ["--name", "eu-mi355x", "--region", "us-west-2", "--gpu", "mi355x", "--gpus", "2", "--emulate"]
-
-
-def _fedctl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "federation.cli", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=150
-    )
 
 
 @pytest.mark.timeout(240)
@@ -34,13 +26,13 @@ async def test_a_site_added_to_a_running_federation_serves_and_stops_with_it(tmp
     path, _ = _config(tmp_path, SITES)
     up = start_python("fedctl up", "federation.cli", ["up", "--config", str(path)], timeout_s=90)
     try:
-        added = _fedctl("site", "add", *NEWCOMER, "--config", str(path))
+        added = fedctl("site", "add", *NEWCOMER, "--config", str(path))
         assert added.returncode == 0, added.stderr[-2000:]
         agent = added.stdout.split("agent at ")[1].split(";")[0]
-        status = json.loads(_fedctl("status", "--json", "--config", str(path)).stdout)
+        status = json.loads(fedctl("status", "--json", "--config", str(path)).stdout)
         assert {s["name"]: s["state"] for s in status["sites"]}["eu-mi355x"] == "ready"
 
-        again = _fedctl("site", "add", *NEWCOMER, "--config", str(path))
+        again = fedctl("site", "add", *NEWCOMER, "--config", str(path))
         assert again.returncode == 2 and "already in this federation" in again.stderr
 
         async with openai.AsyncOpenAI(base_url=up.ready["endpoint"], api_key="unused", max_retries=0) as client:
@@ -63,5 +55,5 @@ async def test_a_site_added_to_a_running_federation_serves_and_stops_with_it(tmp
 def test_site_add_without_a_running_federation_says_so(tmp_path: Path) -> None:
     """No `fedctl up` for this config: a clear error, exit 1."""
     path, _ = _config(tmp_path, SITES)
-    proc = _fedctl("site", "add", *NEWCOMER, "--config", str(path))
+    proc = fedctl("site", "add", *NEWCOMER, "--config", str(path))
     assert proc.returncode == 1 and "start the federation with `fedctl up` first" in proc.stderr
