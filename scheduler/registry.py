@@ -22,6 +22,7 @@ from scheduler.slowstart import SlowStart
 # acknowledged this long after it was decided never will be (the gateway gave up on that
 # attempt and asked again): it stops counting, so such phantoms cannot pile up.
 IN_TRANSIT_S = 30.0
+REFUSALS_KEPT = 50  # enough for an operator to see every site that failed to join today
 
 
 class RegistrationRefused(ValueError):
@@ -72,8 +73,12 @@ class Registry:
         self.refused: dict[str, RefusedSite] = {}  # by site name, until that site joins
 
     def refuse(self, name: str, reason: str) -> RegistrationRefused:
-        """Remember why `name` was refused (for `fedctl status`); the error to raise."""
+        """Remember why `name` was refused (for `fedctl status`); the error to raise. Only the
+        latest REFUSALS_KEPT names: a caller without the credential chooses the name."""
+        self.refused.pop(name, None)
         self.refused[name] = RefusedSite(name, reason, time.time())
+        while len(self.refused) > REFUSALS_KEPT:
+            del self.refused[next(iter(self.refused))]
         return RegistrationRefused(reason)
 
     def register(self, reg: SiteRegistration) -> Site:

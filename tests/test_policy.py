@@ -166,3 +166,20 @@ def test_a_site_in_slow_start_takes_only_its_window_while_another_has_room() -> 
     eu = SiteLoad("eu", "us-west-2", "eu:1", 113_000, 0, slots=8192, window=128)
     sites = _fill({"kr": kr, "eu": eu}, 2_000)
     assert 128 <= sites["eu"].outstanding_requests <= 160, sites["eu"]
+
+
+def test_refusals_are_kept_for_the_latest_names_only() -> None:
+    """Anyone can knock with any name: the registry remembers the latest REFUSALS_KEPT refusals,
+    and forgets a name's refusal once that site joins."""
+    from scheduler.registry import REFUSALS_KEPT
+
+    reg = Registry("openai/gpt-oss-120b", heartbeat_timeout_s=1.0)
+    for i in range(REFUSALS_KEPT + 10):
+        try:
+            reg.register(SiteRegistration(f"s{i}", "r", "mi355x", 8, "x:1", "other/model"))
+        except RegistrationRefused:
+            pass
+    assert len(reg.refused) == REFUSALS_KEPT and "s0" not in reg.refused
+    last = f"s{REFUSALS_KEPT + 9}"
+    reg.register(SiteRegistration(last, "r", "mi355x", 8, "x:1", "openai/gpt-oss-120b"))
+    assert last not in reg.refused
