@@ -28,6 +28,7 @@ from federation.bench.peers import ROUTER_POLICIES, FlatRouter
 from federation.bench.workload import MLPERF_LIKE_OUTPUTS, MLPERF_LIKE_PROMPTS, Sample, WorkloadSpec
 from federation.config import Config, load
 from federation.embedded import running
+from federation.processes import free_port_block
 from scheduler.capacity import prior_capacity_tok_s
 from scheduler.policy import POLICIES
 
@@ -107,13 +108,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def bench_config(path: Path | None, speed: float | None, policy: str, stream_chunk_ms: float) -> Config:
     """The federation to start, slowed down as a whole: GPUs and WAN round trips alike, so that
-    a wall-clock second is `speed` GPU seconds everywhere."""
+    a wall-clock second is `speed` GPU seconds everywhere; on ports free now (`_on_free_ports`)."""
     config = load(path).with_overrides(speed=speed or BENCH_SPEED, policy=policy, stream_chunk_ms=stream_chunk_ms)
-    return dataclasses.replace(
-        config,
-        rtt_ms={k: v / config.speed for k, v in config.rtt_ms.items()},
-        gateway_processes=max(config.gateway_processes, BENCH_GATEWAY_PROCESSES),
+    return _on_free_ports(
+        dataclasses.replace(
+            config,
+            rtt_ms={k: v / config.speed for k, v in config.rtt_ms.items()},
+            gateway_processes=max(config.gateway_processes, BENCH_GATEWAY_PROCESSES),
+        )
     )
+
+
+def _on_free_ports(config: Config) -> Config:
+    """Every port a free one below the ephemeral range, every site's workers on known ports (a
+    drill's faults reach them there). A run's ~20 k client connections take ephemeral ports,
+    and the configured ones (50051, ...) sit in that range: a run right after another, or
+    after a test run, could not bind them."""
+    first = free_port_block(1 + config.scheduler_replicas + sum(1 + s.gpus for s in config.sites))
+    gateway_port, scheduler_port = first, first + 1  # replica i listens on scheduler_port + i
+    port, sites = scheduler_port + config.scheduler_replicas, []
+    for s in config.sites:  # the agent's port, then its workers'
+        sites.append(dataclasses.replace(s, agent_port=port, worker_port=port + 1))
+        port += 1 + s.gpus
+    return dataclasses.replace(config, sites=tuple(sites), gateway_port=gateway_port, scheduler_port=scheduler_port)
 
 
 def _workload(args: argparse.Namespace) -> WorkloadSpec:

@@ -46,7 +46,6 @@ from federation.drills.faults import (
 from federation.drills.sampler import SiteTokenSampler, gateway_counters
 from federation.drills.target import DrillError, Target
 from federation.embedded import Federation
-from federation.processes import free_port_block
 
 # 32 emulated GPUs and ~18 k open streams take ~1.3 of the 2 cores here, leaving room to fail
 # over (at 0.25 they took both, and agents' reports came late).
@@ -120,20 +119,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def drill_config(args: argparse.Namespace) -> Config:
-    """The bench's slowed federation, one gateway process (its /metrics are the whole count),
-    and every site's workers on known ports. Every port is a free one below the ephemeral
-    range: a drill's ~18 k client connections take ephemeral ports, and the configured ones
-    (50051, ...) sit in that range, so a drill right after another could not bind them."""
+    """The bench's slowed federation (on free ports, every site's workers on known ones), with
+    one gateway process: its /metrics are the whole count."""
     base = bench_config(args.config, args.speed, "least_expected_delay", stream_chunk_ms=1000.0)
-    first = free_port_block(1 + base.scheduler_replicas + sum(1 + s.gpus for s in base.sites))
-    gateway_port, scheduler_port = first, first + 1  # replica i listens on scheduler_port + i
-    port, sites = scheduler_port + base.scheduler_replicas, []
-    for s in base.sites:  # the agent's port, then its workers'
-        sites.append(dataclasses.replace(s, agent_port=port, worker_port=port + 1))
-        port += 1 + s.gpus
-    return dataclasses.replace(
-        base, sites=tuple(sites), gateway_port=gateway_port, scheduler_port=scheduler_port, gateway_processes=1
-    )
+    return dataclasses.replace(base, gateway_processes=1)
 
 
 def main(args: argparse.Namespace) -> int:
