@@ -18,7 +18,7 @@ from nodes.emulator.launch import launch
 from tests.test_federation import _config
 
 SITES = [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")]
-FAST = "20"
+FAST = "20"  # emulated GPUs 20x faster than real ones: tests finish in seconds
 
 
 def fedctl(*args: str, timeout_s: float = 150) -> subprocess.CompletedProcess:
@@ -29,7 +29,7 @@ def fedctl(*args: str, timeout_s: float = 150) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=timeout_s,
-    )  # emulated GPUs 20x faster than real ones: tests finish in seconds
+    )
 
 
 @pytest.fixture(scope="session")

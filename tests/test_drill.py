@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from federation.processes import PROJECT_ROOT
-from tests.conftest import SITES
+from tests.conftest import SITES, fedctl
 from tests.test_federation import _config
 
 KEYS = {
@@ -35,14 +33,7 @@ SMALL = ["--open-requests", "60", "--output-mean", "40", "--warmup-s", "3", "--b
 
 def _fedctl_drill(tmp_path: Path, scenario: str, *args: str) -> subprocess.CompletedProcess:
     out, png = tmp_path / "drill.json", tmp_path / "drill.png"
-    command = ["drill", scenario, *SMALL, *args, "--json", str(out), "--png", str(png)]
-    return subprocess.run(
-        [sys.executable, "-m", "federation.cli", *command],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
+    return fedctl("drill", scenario, *SMALL, *args, "--json", str(out), "--png", str(png))
 
 
 def _report(tmp_path: Path, proc: subprocess.CompletedProcess) -> dict:
@@ -100,7 +91,5 @@ def test_a_running_federation_is_drilled_with_the_operators_command(tmp_path: Pa
 )
 def test_a_drill_that_cannot_be_run_says_why(args: list[str], said: str) -> None:
     """Arguments that make no drill are refused before anything starts, with the reason."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "federation.cli", "drill", *args], capture_output=True, text=True, timeout=30
-    )
+    proc = fedctl("drill", *args, timeout_s=30)
     assert proc.returncode == 2 and said in proc.stderr, proc.stderr
