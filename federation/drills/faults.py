@@ -45,13 +45,12 @@ def _post_all(urls: list[str], body: dict) -> None:
 @dataclass
 class Fault:
     """One drill's fault at one site. `inject` at the fault time; `heal` (if the fault `heals`)
-    `heal_after_s` later; `detected` is polled from the fault on, until it says True. Against
+    the drill's `--heal-after-s` later; `detected` is polled from the fault on, until it says True. Against
     the embedded default a fault breaks our own processes; against an operator's federation it
     runs the operator's command for it."""
 
     site: str
     target: Target
-    heal_after_s: float | None = None
     before: wire.SiteState | None = None  # the site as the schedulers saw it just before the fault
     heals: ClassVar[bool] = False
 
@@ -170,7 +169,7 @@ class WorkerLoss(Fault):
 
 
 class SchedulerCrash(Fault):
-    """Kills replica 0 at the fault; then the rest `heal_after_s` later (the 'heal' here is the
+    """Kills replica 0 at the fault; then the rest `--heal-after-s` later (the 'heal' here is the
     second blow). Detected when the gateway watches another replica, or says it is degraded."""
 
     heals = True

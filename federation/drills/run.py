@@ -44,7 +44,7 @@ from federation.drills.faults import (
     poll_until,
 )
 from federation.drills.sampler import SiteTokenSampler, gateway_counters
-from federation.drills.target import DrillError, Target
+from federation.drills.target import DrillError, DrillRefused, Target
 from federation.embedded import Federation
 
 # 32 emulated GPUs and ~18 k open streams take ~1.3 of the 2 cores here, leaving room to fail
@@ -132,13 +132,12 @@ def main(args: argparse.Namespace) -> int:
         return 2
     output = dataclasses.replace(DRILL_OUTPUT_TOKENS, mean=args.output_mean)
     samples = WorkloadSpec(4 * args.open_requests, args.seed, MLPERF_LIKE_PROMPTS, output).samples()
+    site = args.site or DEFAULT_SITE.get(args.scenario, REMOTE_SITE)
     try:
-        report = _drill_endpoint(args, samples) if args.endpoint else _drill_embedded(args, samples)
+        report = (_drill_endpoint if args.endpoint else _drill_embedded)(args, site, samples)
     except DrillError as exc:
         print(f"fedctl drill: {exc}", file=sys.stderr)
-        return 1
-    if report is None:
-        return 2
+        return 2 if isinstance(exc, DrillRefused) else 1
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -160,13 +159,11 @@ def _refusal(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _drill_embedded(args: argparse.Namespace, samples) -> dict[str, Any] | None:
+def _drill_embedded(args: argparse.Namespace, site: str, samples) -> dict[str, Any]:
     args.speed = args.speed or DRILL_SPEED
     config = drill_config(args)
-    site = args.site or DEFAULT_SITE.get(args.scenario, REMOTE_SITE)
     if site not in {s.name for s in config.sites}:
-        print(f"fedctl drill: no site named {site!r}", file=sys.stderr)
-        return None
+        raise DrillRefused(f"no site named {site!r}")
     log_path = (args.json.parent if args.json else Path(".")) / "drill-logs" / f"{args.scenario}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.unlink(missing_ok=True)
@@ -179,7 +176,7 @@ def _drill_embedded(args: argparse.Namespace, samples) -> dict[str, Any] | None:
             federation.down()
 
 
-def _drill_endpoint(args: argparse.Namespace, samples) -> dict[str, Any] | None:
+def _drill_endpoint(args: argparse.Namespace, site: str, samples) -> dict[str, Any]:
     """An operator's federation: its gateway, its schedulers (named, or as the gateway names
     them), broken by the operator's commands."""
     args.speed = args.speed or 1.0
@@ -187,20 +184,13 @@ def _drill_endpoint(args: argparse.Namespace, samples) -> dict[str, Any] | None:
     health = admin.gateway_health(gateway_url)
     schedulers = args.scheduler or health.get("schedulers") or []
     if not schedulers:
-        print(f"fedctl drill: {gateway_url} names no scheduler ({health}); give --scheduler", file=sys.stderr)
-        return None
+        raise DrillRefused(f"{gateway_url} names no scheduler ({health}); give --scheduler")
     target = Target(gateway_url, list(schedulers), inject_command=args.inject, heal_command=args.heal)
     states = target.site_states()
     if not states:
-        print(f"fedctl drill: no scheduler replica answered: {', '.join(schedulers)}", file=sys.stderr)
-        return None
-    site = args.site or DEFAULT_SITE.get(args.scenario, REMOTE_SITE)
+        raise DrillRefused(f"no scheduler replica answered: {', '.join(schedulers)}")
     if site not in states:
-        print(
-            f"fedctl drill: no site named {site!r} (sites: {', '.join(sorted(states))}); name one with --site",
-            file=sys.stderr,
-        )
-        return None
+        raise DrillRefused(f"no site named {site!r} (sites: {', '.join(sorted(states))}); name one with --site")
     return _drill(target, args, site, samples)
 
 

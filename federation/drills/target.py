@@ -23,6 +23,10 @@ class DrillError(RuntimeError):
     """The drill cannot go on (a fault command failed, a fault the target cannot take)."""
 
 
+class DrillRefused(DrillError):
+    """The arguments name something the federation does not have (a site, a scheduler)."""
+
+
 @dataclass
 class Target:
     gateway_url: str  # http://host:port
