@@ -72,9 +72,9 @@ class SiteReport:
     gen_throughput_tok_s: float = 0.0
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
-    received_requests: int = 0
     slots: int = 0
     context_tokens: int = 0
+    received_ids: tuple[str, ...] = ()  # Generate calls taken since the previous report (see the proto)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +241,8 @@ def registered_from_pb(m: pb.Registered) -> Registered:
 
 
 def report_from_pb(m: pb.SiteReport) -> SiteReport:
-    return SiteReport(**{f.name: getattr(m, f.name) for f in fields(SiteReport)})
+    values = {f.name: getattr(m, f.name) for f in fields(SiteReport)}
+    return SiteReport(**{**values, "received_ids": tuple(m.received_ids)})
 
 
 def command_from_pb(m: pb.SchedulerCommand) -> SchedulerCommand:

@@ -6,9 +6,7 @@ within a report period, so a restarted scheduler replica needs no storage.
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from federation.wire import RefusedSite, RouteRequest, SiteRegistration, SiteReport, SiteState, SiteStatus
@@ -17,11 +15,13 @@ from scheduler.capacity import CapacityEstimator
 from scheduler.policy import SiteLoad
 from scheduler.slowstart import SlowStart
 
-# Routes still in transit are those the agent has not taken yet: in an Offline burst grpc.aio
-# takes calls one per loop turn, so thousands may wait in its queue for seconds. A route not
-# acknowledged this long after it was decided never will be (the gateway gave up on that
-# attempt and asked again): it stops counting, so such phantoms cannot pile up.
-IN_TRANSIT_S = 30.0
+# Routes still in transit are those the agent has not taken yet. Under an Offline burst on a
+# busy machine thousands of calls wait in the gateways' and the agent's gRPC queues, for over
+# a minute (measured: 13 k calls reached the US site up to 60 s after their routes). Each
+# report acknowledges the calls taken by request id, so a slow route stays counted however
+# slow it is. A route still unacknowledged after this long never reached the site (its
+# gateway died on the way): it stops counting, so such phantoms cannot pile up.
+IN_TRANSIT_LIMIT_S = 300.0
 REFUSALS_KEPT = 50  # enough for an operator to see every site that failed to join today
 
 
@@ -45,11 +45,9 @@ class Site:
     outstanding_tokens: int = 0
     routed_requests: int = 0
     draining: bool = field(default=False)
-    # Routes the agent has not acknowledged yet (its received_requests lags): their expected
-    # tokens are added to what it reports, so a report older than a route cannot erase it.
-    routed_since_registration: int = 0
-    recent_routes: deque[tuple[float, int]] = field(default_factory=deque)  # (when, tokens), newest last
-    routes_past_transit: int = 0  # routes that left `recent_routes` (older than IN_TRANSIT_S)
+    # Routes the agent has not acknowledged yet, by request id: (when, expected tokens), oldest
+    # first. Added to what it reports, so a report older than a route cannot erase it.
+    in_transit: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     @property
     def prior_capacity_tok_s(self) -> float:
@@ -122,19 +120,12 @@ class Registry:
         site.report = report
         site.last_report_at = now
         site.slow_start.observe(report.running_requests, report.gen_throughput_tok_s, site.capacity_tok_s, report.slots)
-        while site.recent_routes and site.recent_routes[0][0] < now - IN_TRANSIT_S:
-            site.recent_routes.popleft()
-            site.routes_past_transit += 1
-        # Routes older than the window have arrived or never will: more of them than the agent
-        # has received are phantoms (a gateway's timed-out attempt), no longer in transit.
-        phantoms = site.routes_past_transit - report.received_requests
-        if phantoms > 0:
-            site.routed_since_registration -= phantoms
-            site.routes_past_transit -= phantoms
-        unacked = min(max(site.routed_since_registration - report.received_requests, 0), len(site.recent_routes))
-        in_transit = sum(tokens for _, tokens in itertools.islice(reversed(site.recent_routes), unacked))
-        site.outstanding_requests = report.outstanding_requests + unacked
-        site.outstanding_tokens = report.outstanding_tokens + in_transit
+        for request_id in report.received_ids:
+            site.in_transit.pop(request_id, None)
+        while site.in_transit and next(iter(site.in_transit.values()))[0] < now - IN_TRANSIT_LIMIT_S:
+            del site.in_transit[next(iter(site.in_transit))]
+        site.outstanding_requests = report.outstanding_requests + len(site.in_transit)
+        site.outstanding_tokens = report.outstanding_tokens + sum(tokens for _, tokens in site.in_transit.values())
         site.status = self._live_status(site)
 
     def disconnected(self, name: str) -> None:
@@ -187,10 +178,14 @@ class Registry:
     def record_route(self, name: str, req: RouteRequest, now: float) -> None:
         """Count a decision until the site's next report says what it really holds."""
         site = self.get(name)
+        for other in self.sites.values():  # a request routed again: its earlier route was never taken
+            superseded = other.in_transit.pop(req.request_id, None)
+            if superseded is not None:
+                other.outstanding_requests -= 1
+                other.outstanding_tokens -= superseded[1]
         tokens = expected_output_tokens(req.max_tokens)
         site.routed_requests += 1
-        site.routed_since_registration += 1
-        site.recent_routes.append((now, tokens))
+        site.in_transit[req.request_id] = (now, tokens)
         site.outstanding_requests += 1
         site.outstanding_tokens += tokens
 

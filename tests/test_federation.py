@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from federation import tokens
+from federation.drills.faults import poll_until
 from federation.processes import PROJECT_ROOT, Child, free_port_block, start_python
 from tests.test_worker_state import metric
 
@@ -165,6 +166,9 @@ async def test_forty_requests_reach_both_sites(client: openai.AsyncOpenAI, feder
     assert {s["name"]: s["state"] for s in status["sites"]} == {"kr-mi300x": "ready", "us-mi355x": "ready"}
     routed = {s["name"]: s["routed_requests"] - before[s["name"]] for s in status["sites"]}
     assert routed == dict(sites)
+    # Every route acknowledged by the call it sent, every call finished: nothing left in transit.
+    settled = poll_until(lambda: all(s["outstanding_requests"] == 0 for s in _status(path)["sites"]), 10, every_s=0.5)
+    assert settled is not None, _status(path)["sites"]
     assert set(status["sites"][0]) >= {  # the keys; more may be added
         "name",
         "region",

@@ -89,39 +89,61 @@ def test_registry_refuses_another_model_and_tracks_states() -> None:
 
 
 def test_a_report_older_than_a_route_does_not_erase_it() -> None:
-    """Routes the agent has not received yet stay counted until a report acknowledges them."""
+    """Routes the agent has not taken yet stay counted until a report acknowledges them."""
     reg = Registry("openai/gpt-oss-120b", heartbeat_timeout_s=1.0)
     reg.register(SiteRegistration("us", "us-west-2", "mi355x", 16, "us:1", "openai/gpt-oss-120b"))
     reg.apply_report(SiteReport("us", healthy_workers=16, total_workers=16), now=1.0)
     reg.record_route("us", RouteRequest("a", prompt_tokens=10, max_tokens=300), now=1.1)
     reg.record_route("us", RouteRequest("b", prompt_tokens=10, max_tokens=500), now=1.1)
-    reg.apply_report(
-        SiteReport("us", 16, 16, outstanding_requests=1, outstanding_tokens=290, received_requests=1), now=1.2
-    )
+    reg.apply_report(SiteReport("us", 16, 16, outstanding_requests=1, outstanding_tokens=290, received_ids=("a",)), 1.2)
     state = reg.states()[0]
     assert (state.outstanding_requests, state.outstanding_tokens) == (2, 290 + 500)
-    reg.apply_report(
-        SiteReport("us", 16, 16, outstanding_requests=2, outstanding_tokens=700, received_requests=2), now=1.4
-    )
+    reg.apply_report(SiteReport("us", 16, 16, outstanding_requests=2, outstanding_tokens=700, received_ids=("b",)), 1.4)
     assert (reg.states()[0].outstanding_requests, reg.states()[0].outstanding_tokens) == (2, 700)
 
 
-def test_routes_that_never_arrive_stop_counting() -> None:
-    """A gateway that timed out on a Route and asked again leaves a decision the agent never
-    receives: once older than the transit window it no longer inflates the site's load."""
-    from scheduler.registry import IN_TRANSIT_S
-
+def test_a_slow_route_stays_counted_until_its_call_arrives() -> None:
+    """Under a burst on a busy machine calls reach the agent a minute after their routes (13 k
+    of them did in a bench run): counted as in transit all that time, not written off, while
+    the calls the agent took meanwhile (acknowledged by id) stop counting as in transit."""
     reg = Registry("openai/gpt-oss-120b", heartbeat_timeout_s=1.0)
     reg.register(SiteRegistration("us", "us-west-2", "mi355x", 16, "us:1", "openai/gpt-oss-120b"))
     for i in range(10):
         reg.record_route("us", RouteRequest(f"r{i}", prompt_tokens=10, max_tokens=100), now=1.0)
-    later = 1.0 + IN_TRANSIT_S + 1
-    arrived = SiteReport("us", 16, 16, outstanding_requests=8, outstanding_tokens=800, received_requests=8)
-    reg.apply_report(arrived, now=later)
-    reg.record_route("us", RouteRequest("new", prompt_tokens=10, max_tokens=100), now=later + 0.1)
-    reg.apply_report(arrived, now=later + 0.25)
-    state = reg.states()[0]
-    assert (state.outstanding_requests, state.outstanding_tokens) == (8 + 1, 800 + 100)
+    took_two = SiteReport("us", 16, 16, outstanding_requests=2, outstanding_tokens=200, received_ids=("r0", "r1"))
+    reg.apply_report(took_two, now=61.0)
+    assert (reg.states()[0].outstanding_requests, reg.states()[0].outstanding_tokens) == (2 + 8, 200 + 800)
+    reg.apply_report(
+        SiteReport(
+            "us",
+            16,
+            16,
+            outstanding_requests=10,
+            outstanding_tokens=1000,
+            received_ids=tuple(f"r{i}" for i in range(2, 10)),
+        ),
+        now=62.0,
+    )
+    assert (reg.states()[0].outstanding_requests, reg.states()[0].outstanding_tokens) == (10, 1000)
+
+
+def test_routes_that_never_arrive_stop_counting() -> None:
+    """A route asked again supersedes the one its gateway never sent; a route whose call never
+    reached the site (its gateway died on the way) stops counting after the limit."""
+    from scheduler.registry import IN_TRANSIT_LIMIT_S
+
+    reg = Registry("openai/gpt-oss-120b", heartbeat_timeout_s=1.0)
+    for name, region in (("us", "us-west-2"), ("kr", "ap-northeast-2")):
+        reg.register(SiteRegistration(name, region, "mi355x", 16, f"{name}:1", "openai/gpt-oss-120b"))
+        reg.apply_report(SiteReport(name, healthy_workers=16, total_workers=16), now=1.0)
+    reg.record_route("us", RouteRequest("retried", prompt_tokens=10, max_tokens=100), now=1.0)
+    reg.record_route("kr", RouteRequest("retried", prompt_tokens=10, max_tokens=100), now=1.5)
+    assert {s.name: s.outstanding_requests for s in reg.states()} == {"us": 0, "kr": 1}
+    reg.record_route("us", RouteRequest("lost", prompt_tokens=10, max_tokens=100), now=2.0)
+    reg.apply_report(SiteReport("us", 16, 16), now=2.0 + IN_TRANSIT_LIMIT_S - 1)
+    assert reg.states()[0].outstanding_requests == 1
+    reg.apply_report(SiteReport("us", 16, 16), now=2.0 + IN_TRANSIT_LIMIT_S + 1)
+    assert reg.states()[0].outstanding_requests == 0
 
 
 def _fill(sites: dict[str, SiteLoad], requests: int, max_tokens: int = 1278) -> dict[str, SiteLoad]:

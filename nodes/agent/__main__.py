@@ -123,7 +123,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
         *((measured.batch, measured.context_tokens, measured.tok_s) if measured else (0.0, 0.0, 0.0)),
         tokenizer=tokenizer,
     )
-    reporter = ReportFeed(registration, service.report, os.environ.get(JOIN_TOKEN_ENV, ""))
+    reporter = ReportFeed(registration, service.next_report, os.environ.get(JOIN_TOKEN_ENV, ""))
     reporter.start(args.scheduler)
     feed = asyncio.ensure_future(reporter.feed_forever())
     tasks = [asyncio.ensure_future(pool.check_forever()), feed]

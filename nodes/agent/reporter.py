@@ -18,6 +18,7 @@ schedulers see the streams break at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing
 import random
 import signal
@@ -92,21 +93,49 @@ class ReportFeed:
 
 
 class Snapshots:
-    """The reporter process's side of the pipe: the latest snapshot and when it came."""
+    """The reporter process's side of the pipe: the latest snapshot and when it came, and for
+    each replica reported to, the calls taken since its last report (each snapshot carries
+    only those since the one before, and every replica must hear of every call)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.latest: wire.SiteReport | None = None
         self.received_at = time.monotonic()
+        self._lock = threading.Lock()
+        self._unreported: dict[str, list[str]] = {}  # replica address -> request ids
 
     def receive_forever(self) -> None:
         """Until the agent stops, or dies (either closes the pipe)."""
         try:
             while True:
-                self.latest = self.conn.recv()
-                self.received_at = time.monotonic()
+                snapshot = self.conn.recv()
+                with self._lock:
+                    for ids in self._unreported.values():
+                        ids.extend(snapshot.received_ids)
+                    self.latest = snapshot
+                    self.received_at = time.monotonic()
         except (EOFError, OSError):
             return
+
+    def follow(self, replica: str) -> None:
+        """Start collecting calls for a replica just registered with: it knows no route before."""
+        with self._lock:
+            self._unreported[replica] = []
+
+    def forget(self, replica: str) -> None:
+        """A replica out of reach: its registration ends, and so does its collection."""
+        with self._lock:
+            self._unreported.pop(replica, None)
+
+    def report_for(self, replica: str) -> wire.SiteReport | None:
+        """The latest snapshot with every call taken since this replica's last report."""
+        with self._lock:
+            if self.latest is None:
+                return None
+            received = self._unreported.pop(replica, None)
+            if received is not None:  # not a replica just forgotten
+                self._unreported[replica] = []
+            return dataclasses.replace(self.latest, received_ids=tuple(received or ()))
 
     @property
     def stalled(self) -> bool:
@@ -169,7 +198,9 @@ class Reporter:
                     )
                     log.info("reporter.registered", scheduler=scheduler_address, site=registered.site)
                     attempt = 0
-                    call = stub.Report(self._reports(registered.report_interval_s), metadata=self.metadata)
+                    self.snapshots.follow(scheduler_address)
+                    reports = self._reports(scheduler_address, registered.report_interval_s)
+                    call = stub.Report(reports, metadata=self.metadata)
                     self._calls.add(call)
                     for msg in call:
                         command = wire.command_from_pb(msg)
@@ -190,19 +221,19 @@ class Reporter:
                     )
                 finally:
                     self._calls.discard(call)
+                    self.snapshots.forget(scheduler_address)
                 attempt += 1
                 delay = min(RECONNECT_MAX_S, RECONNECT_BASE_S * 2**attempt)
                 self._stop.wait(delay * random.uniform(0.5, 1.0))
 
-    def _reports(self, interval_s: float) -> Iterator:
+    def _reports(self, scheduler_address: str, interval_s: float) -> Iterator:
         """One report per interval while the agent's loop is alive; ends the stream when we stop."""
         sent_at = time.monotonic()
         while not self._stop.is_set():
-            latest = self.snapshots.latest
             if self.snapshots.stalled:
                 stalled_s = round(time.monotonic() - self.snapshots.received_at, 1)
                 log.warning("reporter.loop_stalled", stalled_s=stalled_s)
-            elif latest is not None:
+            elif (latest := self.snapshots.report_for(scheduler_address)) is not None:
                 report = wire.report_to_pb(latest)
                 now = time.monotonic()
                 if now - sent_at > LATE_REPORT_S:  # gRPC took this long to ask for the next one

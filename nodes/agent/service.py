@@ -37,7 +37,9 @@ class _Ledger:
     def __init__(self) -> None:
         self.requests = 0
         self.tokens = 0
-        self.received = 0  # every Generate call, served or refused: the scheduler's acknowledgement
+        # Request ids of the Generate calls taken (served or refused) since the last report:
+        # the schedulers' acknowledgement of their routes.
+        self.received_ids: list[str] = []
 
     def arrive(self, tokens: int) -> None:
         self.requests += 1
@@ -70,7 +72,7 @@ class SiteAgentService(wire.SiteAgentServicer):
         self._aborts: set[asyncio.Future[None]] = set()  # keep them alive until they finish
 
     async def Generate(self, request, context) -> AsyncIterator:
-        self.ledger.received += 1
+        self.ledger.received_ids.append(request.request_id)
         try:
             req = wire.generate_request_from_pb(request)
         except ValueError as exc:
@@ -185,7 +187,9 @@ class SiteAgentService(wire.SiteAgentServicer):
             await sglang.abort(self.session, worker.url, rid)
         return wire.abort_reply_to_pb(entry is not None)
 
-    def report(self) -> wire.SiteReport:
+    def next_report(self) -> wire.SiteReport:
+        """The site's load now, with the calls taken since the previous one (handed over once)."""
+        received, self.ledger.received_ids = self.ledger.received_ids, []
         stats = [w.stats for w in self.pool.workers if w.healthy and w.stats is not None]
         return wire.SiteReport(
             site=self.site,
@@ -197,7 +201,7 @@ class SiteAgentService(wire.SiteAgentServicer):
             gen_throughput_tok_s=sum(s.gen_throughput_tok_s for s in stats),
             outstanding_requests=self.ledger.requests,
             outstanding_tokens=self.ledger.tokens,
-            received_requests=self.ledger.received,
             slots=self.pool.slots,
             context_tokens=sum(s.used_tokens for s in stats),
+            received_ids=tuple(received),
         )
