@@ -3,8 +3,9 @@
 The GPU profile × GPU count is only where the estimate starts. Two kinds of evidence then
 move it, every report:
 
-- A site whose requests wait for a slot is saturated, and a saturated site delivers
-  exactly its capacity: the estimate moves toward the delivered rate.
+- A site whose requests wait while its slots (or its KV cache) are full is saturated, and a
+  saturated site delivers exactly its capacity: the estimate moves toward the delivered rate.
+  A queue beside free room is only requests waiting for the next step to admit them.
 - A site with room to spare still shows how fast it runs the batch it has. Its workers'
   decode step at that batch (running requests over tokens/s) against the step the GPU
   profile predicts for the same batch and context says how much faster or slower the
@@ -38,6 +39,10 @@ BATCH_TIME_CONSTANT_S = 2.5
 # Below this many requests per worker the step is mostly fixed cost and launch jitter: too
 # little to scale a whole site's capacity from.
 MIN_BATCH_PER_WORKER = 8.0
+# Full: this much of a site's slots, or of its KV cache, in use. A wave of arrivals queues for a
+# moment at a site with thousands of free slots; read as saturation, its low delivered rate
+# cut the US site's estimate by a third in a bench run, and its share with it.
+FULL_FRACTION = 0.95
 
 
 def prior_capacity_tok_s(gpu: str, gpus: int) -> float:
@@ -50,6 +55,12 @@ def decode_speed_ratio(profile: GpuProfile, batch: float, context_tokens: float,
     decoding `batch` requests holding `context_tokens` of KV (all per GPU)."""
     measured_step_ms = 1000.0 * batch / tok_s
     return profile.step_ms(round(batch), round(context_tokens), 0) / measured_step_ms
+
+
+def _full(report: SiteReport) -> bool:
+    """Every slot or the KV cache (nearly) in use; a site that does not say its slots, if it queues."""
+    slots_full = report.slots <= 0 or report.running_requests >= FULL_FRACTION * report.slots
+    return slots_full or report.kv_usage >= FULL_FRACTION
 
 
 @dataclass(slots=True)
@@ -86,7 +97,7 @@ class CapacityEstimator:
         follow = 1.0 - math.exp(-min(dt_s, BATCH_TIME_CONSTANT_S) / BATCH_TIME_CONSTANT_S)
         self.batch_per_worker += follow * (report.running_requests / healthy - self.batch_per_worker)
         self.context_per_worker += follow * (report.context_tokens / healthy - self.context_per_worker)
-        self.saturated_for_s = self.saturated_for_s + dt_s if report.queued_requests > 0 else 0.0
+        self.saturated_for_s = self.saturated_for_s + dt_s if report.queued_requests > 0 and _full(report) else 0.0
         busy = report.running_requests / healthy >= MIN_BATCH_PER_WORKER
         self.busy_for_s = self.busy_for_s + dt_s if busy else 0.0
 
