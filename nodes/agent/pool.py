@@ -144,8 +144,8 @@ class WorkerPool:
         )
         if stats is not None:
             worker.stats = stats
-        if health is sglang.Health.SLOW and stats is not None and stats.running_requests > 0:
-            return  # saturated, not sick: its metrics answer and it is generating
+        if health is sglang.Health.SLOW and stats is not None and stats.running_requests + stats.queued_requests:
+            return  # saturated, not sick: its metrics answer and it has work (decoding, or prefilling)
         if health is sglang.Health.OK and stats is not None and worker.info is not None:
             if not worker.healthy:
                 log.info("worker.healthy", worker=worker.url)

@@ -202,6 +202,19 @@ class Engine:
         steps = self.steps_at(self._loop.time())
         return self._emitted + len(self.running) * steps - self._join_sum
 
+    @property
+    def running_count(self) -> int:
+        """SGLang's num_running_reqs: the decode batch. A prompt still being prefilled counts as
+        waiting (`waiting_count`): in SGLang a request leaves the waiting queue only in the step
+        whose prefill budget takes it, so a wave of arrivals shows as a queue, not as a batch
+        that decodes slowly."""
+        return len(self.running)
+
+    @property
+    def waiting_count(self) -> int:
+        """SGLang's num_queue_reqs: not admitted yet, or admitted and still prefilling."""
+        return len(self.waiting) + len(self.prefilling)
+
     def kv_used_tokens(self) -> int:
         return self._running_context(self.steps_at(self._loop.time())) + self._prefill_kv
 

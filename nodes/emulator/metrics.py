@@ -238,9 +238,9 @@ class WorkerMetrics:
             return m
 
         used = engine.kv_used_tokens()
-        running = len(engine.running) + len(engine.prefilling)
+        running = engine.running_count
         yield gauge("num_running_reqs", "The number of running requests.", running)
-        yield gauge("num_queue_reqs", "The number of requests in the waiting queue.", len(engine.waiting))
+        yield gauge("num_queue_reqs", "The number of requests in the waiting queue.", engine.waiting_count)
         yield gauge("num_used_tokens", "The number of used tokens.", used)
         yield gauge(
             "max_total_num_tokens",

@@ -230,12 +230,11 @@ async def handle_server_info(request: web.Request) -> web.Response:
 def _load_entry(worker: EmulatedWorker) -> dict[str, Any]:
     e = worker.engine
     used = e.kv_used_tokens()
-    running = len(e.running) + len(e.prefilling)
     return {
         "timestamp": time.time(),
         "dp_rank": 0,
-        "num_running_reqs": running,
-        "num_waiting_reqs": len(e.waiting),
+        "num_running_reqs": e.running_count,
+        "num_waiting_reqs": e.waiting_count,
         "num_waiting_uncached_tokens": sum(s.prompt_tokens for s in e.waiting),
         "num_used_tokens": used,
         "num_total_tokens": used,
@@ -246,7 +245,7 @@ def _load_entry(worker: EmulatedWorker) -> dict[str, Any]:
         "token_usage": round(used / e.kv_capacity_tokens, 4),
         "gen_throughput": round(worker.metrics.gen_throughput(), 2),
         "cache_hit_rate": 0.0,
-        "utilization": running / e.max_running_requests,
+        "utilization": e.running_count / e.max_running_requests,
         "total_prefill_uncached_tokens": sum(s.prefill_left for s in e.prefilling),
         "total_prefill_busy_us": 0,
         "decode_moments": None,
@@ -274,8 +273,8 @@ async def handle_get_load(request: web.Request) -> web.Response:
         "rid": None,
         "http_worker_ipc": None,
         "dp_rank": 0,
-        "num_reqs": len(e.running) + len(e.prefilling) + len(e.waiting),
-        "num_waiting_reqs": len(e.waiting),
+        "num_reqs": e.running_count + e.waiting_count,
+        "num_waiting_reqs": e.waiting_count,
         "num_tokens": e.kv_used_tokens() + waiting_tokens,
     }
     return json_response([entry])
