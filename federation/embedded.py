@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +20,7 @@ import grpc
 from federation import wire
 from federation.admin import fetch_state
 from federation.config import JOIN_TOKEN_ENV, Config, SiteConfig
+from federation.gateway import metrics
 from federation.processes import Child, StartFailed, start_python
 
 READY_WAIT_S = 60.0  # sites must report ready within this long after their agents start
@@ -33,13 +36,15 @@ class Federation:
         # The credential its sites join with: the operator's (FEDERATION_JOIN_TOKEN), or one
         # made for this run, so no process that was not given it can join.
         self.join_token = os.environ.get(JOIN_TOKEN_ENV) or secrets.token_urlsafe(24)
+        self._metrics_dir = ""  # the gateway processes' shared counters, when there are several
 
     def child(self, name: str) -> Child:
         """The process started as `name` ("scheduler 0", "agent kr-mi300x", "gateway", ...)."""
         return next(c for c in self.children if c.name == name)
 
-    def _start(self, name: str, module: str, args: list[str]) -> Child:
-        child = start_python(name, module, args, log=self.log, env={JOIN_TOKEN_ENV: self.join_token})
+    def _start(self, name: str, module: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+        env = {JOIN_TOKEN_ENV: self.join_token, **(env or {})}
+        child = start_python(name, module, args, log=self.log, env=env)
         self.children.append(child)
         return child
 
@@ -65,9 +70,13 @@ class Federation:
         gateway_args = ["--host", c.host, "--port", str(c.gateway_port), "--model", c.model, "--policy", c.policy]
         gateway_args += [arg for address in c.scheduler_addresses for arg in ("--scheduler", address)]
         gateway_args += ["--ttft-budget-ms", str(c.ttft_budget_ms)]
-        shared = ["--reuse-port"] if c.gateway_processes > 1 else []
+        shared, env = [], {}
+        if c.gateway_processes > 1:  # one port, and one /metrics for all of them
+            self._metrics_dir = tempfile.mkdtemp(prefix="federation-gateway-metrics-")
+            shared, env = ["--reuse-port"], {metrics.MULTIPROCESS_DIR_ENV: self._metrics_dir}
         for i in range(c.gateway_processes):
-            self._start(f"gateway {i}" if shared else "gateway", "federation.gateway", [*gateway_args, *shared])
+            name = f"gateway {i}" if shared else "gateway"
+            self._start(name, "federation.gateway", [*gateway_args, *shared], env)
         self._wait_sites_ready({s.name for s in c.sites})
 
     def _start_site(self, site: SiteConfig) -> None:
@@ -146,6 +155,8 @@ class Federation:
     def down(self) -> None:
         for child in reversed(self.children):
             child.stop()
+        if self._metrics_dir:
+            shutil.rmtree(self._metrics_dir, ignore_errors=True)
 
 
 @contextmanager

@@ -2,14 +2,20 @@
 output tokens each site delivered to clients (what a site's share of the traffic really is,
 counted as the tokens pass, so a resumed answer's tail is the site's that wrote it).
 
-Per gateway process (several share a port under SO_REUSEPORT; each is scraped on its own
-or their counts summed by the scraper).
+Several gateway processes share a port (SO_REUSEPORT), and a scrape reaches one of them at
+random: with PROMETHEUS_MULTIPROC_DIR set (as `fedctl up` does for them), each process keeps
+its counts in that directory and any of them answers with the sum of all (prometheus-client's
+multiprocess mode). Without it, a process answers for itself.
 """
 
 from __future__ import annotations
 
+import os
+
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest, multiprocess
+
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 REGISTRY = CollectorRegistry()
 REQUESTS = Counter("federation_gateway_requests", "Requests finished, by outcome.", ["outcome"], registry=REGISTRY)
@@ -41,4 +47,8 @@ def request_done(outcome: str, retries: int, resumed: int) -> None:
 
 
 async def handler(request: web.Request) -> web.Response:
-    return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    registry = REGISTRY
+    if os.environ.get(MULTIPROCESS_DIR_ENV):  # every gateway process's counts, summed
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
