@@ -17,6 +17,7 @@ import queue
 import signal
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     config = load(args.config).with_overrides(port=args.port, speed=args.speed, policy=args.policy)
     federation = Federation(config)
     jobs: queue.Queue = queue.Queue()
-    controls = control.ControlServer(control.socket_path(config), _site_adder(jobs))
+    controls = control.ControlServer(control.socket_path(config), _site_controls(federation, jobs))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops us like Ctrl-C, even mid start-up
     try:
         federation.up()
@@ -96,7 +97,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"federation ready: {endpoint}  (fedctl status; Ctrl-C stops it)", file=sys.stderr, flush=True)
         reported: set[str] = set()
         while True:
-            _add_pending_sites(federation, jobs, wait_s=0.5)
+            _run_pending(jobs, wait_s=0.5)
             dead = {c.name for c in federation.children if not c.alive()}
             for name in sorted(dead - reported):  # a site or a scheduler replica may die: the rest serve on
                 print(f"fedctl: {name} exited; the federation serves on without it", file=sys.stderr, flush=True)
@@ -117,40 +118,58 @@ def cmd_up(args: argparse.Namespace) -> int:
         federation.down()
 
 
-def _site_adder(jobs: queue.Queue) -> control.Handler:
-    """What `fedctl up` does when `fedctl site add --emulate` asks. The site is started by the
-    main thread (`_add_pending_sites`): a child is told to die with the thread that started it,
-    and this handler's thread ends with the connection."""
+def _site_controls(federation: Federation, jobs: queue.Queue) -> control.Handler:
+    """What `fedctl up` does when `fedctl site add --emulate` or `fedctl site remove` asks. The
+    work is done by the main thread (`_run_pending`): a child is told to die with the thread that
+    started it, and this handler's thread ends with the connection."""
 
-    def handle(request: dict) -> dict:
-        spec = request.get("site")
-        if request.get("command") != "add_site" or not isinstance(spec, dict):
-            return {"error": f"unknown request {request!r}"}
+    def add(spec: object) -> Callable[[], dict] | dict:
+        if not isinstance(spec, dict):
+            return {"error": f"a site to add must be an object, not {spec!r}"}
         try:
             site = SiteConfig(str(spec["name"]), str(spec["region"]), str(spec["gpu"]), int(spec["gpus"]), 0)
         except (KeyError, TypeError, ValueError) as exc:
             return {"error": f"a site needs name, region, gpu and gpus: {exc}"}
         if site.gpu not in PROFILES or site.gpus < 1 or not site.name:
             return {"error": f"a site needs a name, a GPU ({', '.join(sorted(PROFILES))}) and at least 1 GPU"}
+        site = dataclasses.replace(site, agent_port=free_port_block(1))
+
+        def start() -> dict:
+            federation.add_site(site)
+            return {"site": site.name, "agent": f"{federation.config.host}:{site.agent_port}"}
+
+        return start
+
+    def remove(name: object) -> Callable[[], dict]:
+        return lambda: {"site": name, "stopped": federation.remove_site(str(name))}
+
+    def handle(request: dict) -> dict:
+        command = request.get("command")
+        if command == "add_site":
+            job = add(request.get("site"))
+        elif command == "remove_site":
+            job = remove(request.get("name"))
+        else:
+            return {"error": f"unknown request {request!r}"}
+        if isinstance(job, dict):
+            return job
         done: Future[dict] = Future()
-        jobs.put((dataclasses.replace(site, agent_port=free_port_block(1)), done))
+        jobs.put((job, done))
         return done.result()
 
     return handle
 
 
-def _add_pending_sites(federation: Federation, jobs: queue.Queue, wait_s: float) -> None:
-    """Start the sites `fedctl site add` asked for (waiting up to `wait_s` for one)."""
+def _run_pending(jobs: queue.Queue, wait_s: float) -> None:
+    """Do what the control socket asked for (waiting up to `wait_s` for a request)."""
     try:
-        site, done = jobs.get(timeout=wait_s)
+        job, done = jobs.get(timeout=wait_s)
     except queue.Empty:
         return
     try:
-        federation.add_site(site)
+        done.set_result(job())
     except (ValueError, StartFailed) as exc:
         done.set_result({"error": str(exc)})
-    else:
-        done.set_result({"site": site.name, "agent": f"{federation.config.host}:{site.agent_port}"})
 
 
 SITE_COLUMNS = (
@@ -243,6 +262,17 @@ def cmd_site_add(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stop_site_processes(args: argparse.Namespace) -> None:
+    """A site removed from the federation `fedctl up` runs here: its processes stop too. Any
+    other site (a real one, or another federation's) is its operator's to stop."""
+    try:
+        reply = control.request(control.socket_path(load(args.config)), {"command": "remove_site", "name": args.name})
+    except control.NotRunning:
+        return
+    if reply.get("stopped"):
+        print(f"{args.name}: stopped {', '.join(reply['stopped'])}")
+
+
 def cmd_site(args: argparse.Namespace) -> int:
     if args.action == "add":
         return cmd_site_add(args)
@@ -251,6 +281,7 @@ def cmd_site(args: argparse.Namespace) -> int:
         if args.action == "remove":
             done = admin.remove(addresses, args.name)
             print(f"{args.name}: removed at {', '.join(done)}")
+            _stop_site_processes(args)
             return 0
         done = admin.drain(addresses, args.name, draining=args.action == "drain")
         print(f"{args.name}: {'draining' if args.action == 'drain' else 'taking new work'} at {', '.join(done)}")

@@ -132,6 +132,18 @@ class Federation:
         self._start_site(site)
         self._wait_sites_ready({site.name}, started)
 
+    def remove_site(self, name: str) -> list[str]:
+        """Stop a site's processes (its agent, whose workers die with it, and its WAN links) once
+        the schedulers have forgotten it (`fedctl site remove`); returns what was stopped."""
+        if not any(s.name == name for s in self.config.sites):
+            raise ValueError(f"no site named {name!r} was started here")
+        own = [c for c in self.children if c.name == f"agent {name}" or _is_link_of(c.name, name)]
+        for child in own:
+            child.stop()
+            self.children.remove(child)
+        self.config = dataclasses.replace(self.config, sites=tuple(s for s in self.config.sites if s.name != name))
+        return [c.name for c in own]
+
     def _wait_sites_ready(self, wanted: set[str], started: int = 0) -> None:
         """These sites ready at every scheduler replica (while none of the processes started
         from `self.children[started]` on has exited)."""
@@ -157,6 +169,11 @@ class Federation:
             child.stop()
         if self._metrics_dir:
             shutil.rmtree(self._metrics_dir, ignore_errors=True)
+
+
+def _is_link_of(child: str, site: str) -> bool:
+    """The names `_start_site` gives a site's links: "link SITE->scheduler I", "link gateway->SITE"."""
+    return child.startswith(f"link {site}->") or child == f"link gateway->{site}"
 
 
 @contextmanager

@@ -1,5 +1,6 @@
-"""`fedctl site add --emulate`: a new region joins a running `fedctl up`, is routed to, and stops
-with it; a duplicate name is refused with the reason."""
+"""`fedctl site add --emulate`: a new region joins a running `fedctl up`, is routed to, and is
+drained and removed (its processes stopped) while the rest serve on; a duplicate name is refused
+with the reason; a site still there stops with the federation."""
 
 from __future__ import annotations
 
@@ -19,10 +20,29 @@ from tests.test_federation import MODEL, _config
 NEWCOMER = ["--name", "eu-mi355x", "--region", "us-west-2", "--gpu", "mi355x", "--gpus", "2", "--emulate"]
 
 
+def _closed(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as sock:
+        return sock.connect_ex((host, int(port))) != 0
+
+
+async def _sites_of(endpoint: str, requests: int) -> Counter:
+    async with openai.AsyncOpenAI(base_url=endpoint, api_key="unused", max_retries=0) as client:
+
+        async def one(i: int) -> str:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": f"q {i}"}], max_tokens=50
+            )
+            return raw.headers["x-federation-site"]
+
+        return Counter(await asyncio.gather(*(one(i) for i in range(requests))))
+
+
 @pytest.mark.timeout(240)
-async def test_a_site_added_to_a_running_federation_serves_and_stops_with_it(tmp_path: Path) -> None:
+async def test_a_site_added_to_a_running_federation_serves_and_is_removed(tmp_path: Path) -> None:
     """`fedctl site add` returns once the new site is ready at the schedulers; requests then
-    reach it; the same name again is refused; Ctrl-C on `fedctl up` stops its agent too."""
+    reach it; the same name again is refused; drained and removed, its agent stops and the
+    others serve on."""
     path, _ = _config(tmp_path, SITES)
     up = start_python("fedctl up", "federation.cli", ["up", "--config", str(path)], timeout_s=90)
     try:
@@ -35,21 +55,32 @@ async def test_a_site_added_to_a_running_federation_serves_and_stops_with_it(tmp
         again = fedctl("site", "add", *NEWCOMER, "--config", str(path))
         assert again.returncode == 2 and "already in this federation" in again.stderr
 
-        async with openai.AsyncOpenAI(base_url=up.ready["endpoint"], api_key="unused", max_retries=0) as client:
-
-            async def one(i: int) -> str:
-                raw = await client.chat.completions.with_raw_response.create(
-                    model=MODEL, messages=[{"role": "user", "content": f"q {i}"}], max_tokens=50
-                )
-                return raw.headers["x-federation-site"]
-
-            sites = Counter(await asyncio.gather(*(one(i) for i in range(60))))
+        sites = await _sites_of(up.ready["endpoint"], 60)
         assert sites["eu-mi355x"] > 0, sites
+
+        assert fedctl("site", "drain", "eu-mi355x", "--config", str(path)).returncode == 0
+        removed = fedctl("site", "remove", "eu-mi355x", "--config", str(path))
+        assert removed.returncode == 0 and "stopped agent eu-mi355x" in removed.stdout, removed.stdout
+        assert _closed(agent)
+        status = json.loads(fedctl("status", "--json", "--config", str(path)).stdout)
+        assert "eu-mi355x" not in {s["name"] for s in status["sites"]}
+        assert set(await _sites_of(up.ready["endpoint"], 10)) <= {"kr-mi300x", "us-mi355x"}
     finally:
         assert up.stop(30) == 0
-    host, port = agent.rsplit(":", 1)
-    with socket.socket() as sock:  # the added site's agent stopped with the federation
-        assert sock.connect_ex((host, int(port))) != 0
+
+
+@pytest.mark.timeout(240)
+def test_a_site_added_stops_with_the_federation(tmp_path: Path) -> None:
+    """Ctrl-C on `fedctl up` stops the added site's agent too."""
+    path, _ = _config(tmp_path, SITES)
+    up = start_python("fedctl up", "federation.cli", ["up", "--config", str(path)], timeout_s=90)
+    try:
+        added = fedctl("site", "add", *NEWCOMER, "--config", str(path))
+        assert added.returncode == 0, added.stderr[-2000:]
+        agent = added.stdout.split("agent at ")[1].split(";")[0]
+    finally:
+        assert up.stop(30) == 0
+    assert _closed(agent)
 
 
 def test_site_add_without_a_running_federation_says_so(tmp_path: Path) -> None:
