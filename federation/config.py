@@ -26,6 +26,8 @@ gateway: {port: 8080, region: us-west-2}
 scheduler: {port: 50051, region: us-west-2, replicas: 2}
 links:
   - {between: [ap-northeast-2, us-west-2], rtt_ms: 130}
+  - {between: [eu-central-1, us-west-2], rtt_ms: 150}
+  - {between: [ap-northeast-2, eu-central-1], rtt_ms: 230}
 sites:
   - {name: kr-mi300x, region: ap-northeast-2, gpu: mi300x, gpus: 16, agent_port: 50061}
   - {name: us-mi355x, region: us-west-2, gpu: mi355x, gpus: 16, agent_port: 50062}

@@ -81,12 +81,27 @@ def test_a_running_federation_is_drilled_with_the_operators_command(tmp_path: Pa
     assert report["per_site_tokens_per_s_after"]["kr-mi300x"] == 0
 
 
+@pytest.mark.timeout(180)
+def test_a_site_that_joins_under_load_takes_its_share_and_fails_nothing(tmp_path: Path) -> None:
+    """add-site: 8 emulated MI355X in eu-central-1 join the loaded federation; it is ready at
+    the schedulers within the drill, is routed work, and no request fails; the report has the
+    issue's keys."""
+    report = _drill(tmp_path, "add-site", "--after-s", "12")
+    assert KEYS | {"throughput_ratio", "converge_s", "standalone"} <= set(report)
+    assert report["site"] == "eu-mi355x" and report["detection_s"] is not None
+    assert report["requests_failed"] == 0 and report["lost"] == 0, report["errors"]
+    assert report["per_site_tokens_per_s_after"]["eu-mi355x"] > 0
+    assert set(report["standalone"]) == {"kr-mi300x", "us-mi355x", "eu-mi355x"}
+    assert 0 < report["throughput_ratio"] <= 1.5
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [
         (["site-crash", "--endpoint", "http://127.0.0.1:9"], "needs --inject CMD"),
         (["drain", "--endpoint", "http://127.0.0.1:9", "--inject", "true"], "drain needs no --inject"),
         (["site-crash", "--inject", "true"], "--inject needs --endpoint"),
+        (["add-site", "--site", "kr-mi300x"], "already in the federation"),
     ],
 )
 def test_a_drill_that_cannot_be_run_says_why(args: list[str], said: str) -> None:

@@ -30,18 +30,20 @@ GPUS = 4
 
 
 def _config(
-    tmp: Path, sites: list[tuple[str, str, str]], *, speed: float = 10, scheduler: str = ""
+    tmp: Path, sites: list[tuple[str, str, str]], *, speed: float = 10, scheduler: str = "", gateway: str = ""
 ) -> tuple[Path, dict]:
-    """A small federation's YAML; `scheduler` adds keys to its scheduler section (replicas, policy)."""
+    """A small federation's YAML; `scheduler` and `gateway` add keys to their sections (replicas,
+    policy; processes)."""
     replicas = 2 if "replicas: 2" in scheduler else 1
     ports = {"gateway": free_port_block(1), "scheduler": free_port_block(replicas)}
     lines = [
         f"model: {MODEL}",
         f"speed: {speed}",
-        f"gateway: {{port: {ports['gateway']}, region: us-west-2}}",
+        f"gateway: {{port: {ports['gateway']}, region: us-west-2{', ' + gateway if gateway else ''}}}",
         f"scheduler: {{port: {ports['scheduler']}, region: us-west-2{', ' + scheduler if scheduler else ''}}}",
         "links:",
         "  - {between: [ap-northeast-2, us-west-2], rtt_ms: 130}",
+        "  - {between: [eu-central-1, us-west-2], rtt_ms: 150}",  # for a site that joins (fedctl drill add-site)
         "sites:",
     ]
     for name, region, gpu in sites:

@@ -23,11 +23,14 @@ from typing import ClassVar
 import grpc
 
 from federation import admin, wire
+from federation.config import SiteConfig
 from federation.drills.target import DrillError, Target
 from federation.embedded import Federation
+from federation.processes import free_port_block
 
 BROWNOUT_FACTOR = 4.0
 WORKERS_LOST = 4
+JOINING_REGION, JOINING_GPU, JOINING_GPUS = "eu-central-1", "mi355x", 8  # add-site's new site
 HTTP_TIMEOUT_S = 5.0
 
 
@@ -202,6 +205,28 @@ class Drain(Fault):
         return 0.0
 
 
+class SiteJoin(Fault):
+    """Not a fault: capacity arriving. A new site (8 emulated MI355X in eu-central-1, its round
+    trips from the config's links) joins under load, as `fedctl site add --emulate` adds one;
+    against an operator's federation, their --inject command starts their site's agent.
+    Detected when it is ready at the schedulers; it then earns its share by slow start."""
+
+    region: str = JOINING_REGION
+    gpu: str = JOINING_GPU
+    gpus: int = JOINING_GPUS
+
+    def _inject(self, federation: Federation) -> None:
+        ports = free_port_block(1 + self.gpus)
+        federation.add_site(SiteConfig(self.site, self.region, self.gpu, self.gpus, ports, ports + 1))
+
+    def detected(self) -> bool:
+        state = self._state()
+        return state is not None and state.status is wire.SiteStatus.READY
+
+    def surviving(self, before_tok_s: dict[str, float]) -> dict[str, float]:
+        return dict(before_tok_s)  # every site keeps what it had; the new one adds to it
+
+
 SCENARIOS: dict[str, Callable[..., Fault]] = {
     "site-crash": SiteCrash,
     "site-partition": SitePartition,
@@ -209,6 +234,7 @@ SCENARIOS: dict[str, Callable[..., Fault]] = {
     "worker-loss": WorkerLoss,
     "scheduler-crash": SchedulerCrash,
     "drain": Drain,
+    "add-site": SiteJoin,
 }
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import threading
 import time
@@ -56,8 +57,13 @@ DRILL_OUTPUT_TOKENS = LengthDistribution(200, 0.3)
 # Enough open requests to keep every slot of the surviving US site busy (16,384) with room,
 # and under one gateway process's 20,000 file descriptors.
 DRILL_OPEN_REQUESTS = 18_000
+# add-site: more than every slot once the new site is in (4,096 + 16,384 + 8 x 1,024 = 28,672),
+# or the federation would not need it to deliver the sum of its parts.
+ADD_SITE_OPEN_REQUESTS = 32_000
+GATEWAY_STREAMS_PER_PROCESS = 18_000  # each open request holds a socket; the fd limit is 20,000
 DRILL_WARMUP_S = 240.0  # wall: the ramp (half of it), then an answer's lifetime (~100 s) at full load
-DEFAULT_SITE = {"site-brownout": "us-mi355x", "worker-loss": "us-mi355x"}  # others: the remote site
+# The site hit (added, for add-site); any other drill: the remote one.
+DEFAULT_SITE = {"site-brownout": "us-mi355x", "worker-loss": "us-mi355x", "add-site": "eu-mi355x"}
 REMOTE_SITE = "kr-mi300x"
 DETECTION_TIMEOUT_S = 30.0
 RECOVERY_LEVEL = 0.9
@@ -100,7 +106,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"GPU speed (default {DRILL_SPEED} for the embedded default, 1 for --endpoint)",
     )
-    p.add_argument("--open-requests", type=runtime.positive_int, default=DRILL_OPEN_REQUESTS)
+    p.add_argument(
+        "--open-requests",
+        type=runtime.positive_int,
+        default=None,
+        help=f"default {DRILL_OPEN_REQUESTS:,}; add-site: {ADD_SITE_OPEN_REQUESTS:,}",
+    )
     p.add_argument(
         "--warmup-s", type=runtime.positive_float, default=DRILL_WARMUP_S, help="wall s of load before measuring"
     )
@@ -120,9 +131,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def drill_config(args: argparse.Namespace) -> Config:
     """The bench's slowed federation (on free ports, every site's workers on known ones), with
-    one gateway process: its /metrics are the whole count."""
+    as many gateway processes as the open requests need (one for the usual 18,000)."""
     base = bench_config(args.config, args.speed, "least_expected_delay", stream_chunk_ms=1000.0)
-    return dataclasses.replace(base, gateway_processes=1)
+    return dataclasses.replace(base, gateway_processes=math.ceil(args.open_requests / GATEWAY_STREAMS_PER_PROCESS))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -130,6 +141,8 @@ def main(args: argparse.Namespace) -> int:
     if refused:
         print(f"fedctl drill: {refused}", file=sys.stderr)
         return 2
+    if args.open_requests is None:
+        args.open_requests = ADD_SITE_OPEN_REQUESTS if args.scenario == "add-site" else DRILL_OPEN_REQUESTS
     output = dataclasses.replace(DRILL_OUTPUT_TOKENS, mean=args.output_mean)
     samples = WorkloadSpec(4 * args.open_requests, args.seed, MLPERF_LIKE_PROMPTS, output).samples()
     site = args.site or DEFAULT_SITE.get(args.scenario, REMOTE_SITE)
@@ -162,8 +175,7 @@ def _refusal(args: argparse.Namespace) -> str | None:
 def _drill_embedded(args: argparse.Namespace, site: str, samples) -> dict[str, Any]:
     args.speed = args.speed or DRILL_SPEED
     config = drill_config(args)
-    if site not in {s.name for s in config.sites}:
-        raise DrillRefused(f"no site named {site!r}")
+    _check_site(args, site, {s.name for s in config.sites})
     log_path = (args.json.parent if args.json else Path(".")) / "drill-logs" / f"{args.scenario}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.unlink(missing_ok=True)
@@ -189,9 +201,16 @@ def _drill_endpoint(args: argparse.Namespace, site: str, samples) -> dict[str, A
     states = target.site_states()
     if not states:
         raise DrillRefused(f"no scheduler replica answered: {', '.join(schedulers)}")
-    if site not in states:
-        raise DrillRefused(f"no site named {site!r} (sites: {', '.join(sorted(states))}); name one with --site")
+    _check_site(args, site, set(states))
     return _drill(target, args, site, samples)
+
+
+def _check_site(args: argparse.Namespace, site: str, sites: set[str]) -> None:
+    """The site hit must be in the federation; the one added must not."""
+    if args.scenario == "add-site" and site in sites:
+        raise DrillRefused(f"a site named {site!r} is already in the federation; name the new one with --site")
+    if args.scenario != "add-site" and site not in sites:
+        raise DrillRefused(f"no site named {site!r} (sites: {', '.join(sorted(sites))}); name one with --site")
 
 
 def _drill(target: Target, args: argparse.Namespace, site: str, samples) -> dict[str, Any]:
@@ -242,10 +261,25 @@ def _drill(target: Target, args: argparse.Namespace, site: str, samples) -> dict
     # Requests that started at the site after the fault was seen (a drained site must get none).
     seen_at = fault_at + (detection_s or 0.0) + ROUTE_IN_TRANSIT_S
     report["routed_to_site_after_fault"] = sum(1 for r in results if r.site == site and r.started > seen_at)
+    if args.scenario == "add-site":
+        report.update(_joined(report))
     if args.png:
         timeline.plot(line, f"fedctl drill {args.scenario} ({site})", args.png)
         report["png"] = str(args.png)
     return report
+
+
+def _joined(report: dict[str, Any]) -> dict[str, Any]:
+    """add-site's own keys. Each site's standalone capacity is what the schedulers measure it to
+    deliver once every site is loaded past its slots (a saturated site delivers exactly that), so
+    the ratio falls below 1 only where routing leaves a site short of work."""
+    standalone = report["capacity_after"]
+    total = sum(standalone.values())
+    return {
+        "standalone": standalone,
+        "throughput_ratio": round(report["output_tokens_per_s_after"] / total, 4) if total else None,
+        "converge_s": report["share_converge_s"],
+    }
 
 
 def _report(
