@@ -13,11 +13,24 @@ from pathlib import Path
 import openai
 import pytest
 
-from federation.processes import start_python
+from federation.processes import Child, start_python
 from tests.conftest import SITES, fedctl
 from tests.test_federation import MODEL, _config
 
 NEWCOMER = ["--name", "eu-mi355x", "--region", "us-west-2", "--gpu", "mi355x", "--gpus", "2", "--emulate"]
+
+
+def _up(tmp_path: Path) -> tuple[Path, Child]:
+    """A running `fedctl up` of the two-site test federation, and its config."""
+    path, _ = _config(tmp_path, SITES)
+    return path, start_python("fedctl up", "federation.cli", ["up", "--config", str(path)], timeout_s=90)
+
+
+def _add_newcomer(path: Path) -> str:
+    """`fedctl site add` of NEWCOMER, which must succeed; its agent's address."""
+    added = fedctl("site", "add", *NEWCOMER, "--config", str(path))
+    assert added.returncode == 0, added.stderr[-2000:]
+    return added.stdout.split("agent at ")[1].split(";")[0]
 
 
 def _closed(address: str) -> bool:
@@ -43,12 +56,9 @@ async def test_a_site_added_to_a_running_federation_serves_and_is_removed(tmp_pa
     """`fedctl site add` returns once the new site is ready at the schedulers; requests then
     reach it; the same name again is refused; drained and removed, its agent stops and the
     others serve on."""
-    path, _ = _config(tmp_path, SITES)
-    up = start_python("fedctl up", "federation.cli", ["up", "--config", str(path)], timeout_s=90)
+    path, up = _up(tmp_path)
     try:
-        added = fedctl("site", "add", *NEWCOMER, "--config", str(path))
-        assert added.returncode == 0, added.stderr[-2000:]
-        agent = added.stdout.split("agent at ")[1].split(";")[0]
+        agent = _add_newcomer(path)
         status = json.loads(fedctl("status", "--json", "--config", str(path)).stdout)
         assert {s["name"]: s["state"] for s in status["sites"]}["eu-mi355x"] == "ready"
 
@@ -72,12 +82,9 @@ async def test_a_site_added_to_a_running_federation_serves_and_is_removed(tmp_pa
 @pytest.mark.timeout(240)
 def test_a_site_added_stops_with_the_federation(tmp_path: Path) -> None:
     """Ctrl-C on `fedctl up` stops the added site's agent too."""
-    path, _ = _config(tmp_path, SITES)
-    up = start_python("fedctl up", "federation.cli", ["up", "--config", str(path)], timeout_s=90)
+    path, up = _up(tmp_path)
     try:
-        added = fedctl("site", "add", *NEWCOMER, "--config", str(path))
-        assert added.returncode == 0, added.stderr[-2000:]
-        agent = added.stdout.split("agent at ")[1].split(";")[0]
+        agent = _add_newcomer(path)
     finally:
         assert up.stop(30) == 0
     assert _closed(agent)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -42,9 +43,15 @@ class Result:
         return (self.finished - self.first_token) / (self.output_tokens - 1)
 
 
-def session() -> aiohttp.ClientSession:
-    """One connection per open request, no total timeout (an Offline answer may wait minutes)."""
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+def session(endpoint: str = "", part: int = 0) -> aiohttp.ClientSession:
+    """One connection per open request, no total timeout (an Offline answer may wait minutes).
+    To a gateway on this machine, client process `part` connects from a loopback address of its
+    own: one source address has ~28 k ephemeral ports for a destination, and a drill keeps
+    32,000 requests open."""
+    local = urlsplit(endpoint).hostname == "127.0.0.1"
+    connector = aiohttp.TCPConnector(
+        limit=0, limit_per_host=0, local_addr=(f"127.0.0.{2 + part}", 0) if local else None
+    )
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=60))
 
 

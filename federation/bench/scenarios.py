@@ -88,7 +88,7 @@ def _drive_in_process(endpoint: str, plan: Sequence[Planned], max_in_flight: int
 async def _drive(endpoint: str, plan: Sequence[Planned], max_in_flight: int, label: str, part: int) -> list[Result]:
     gate = asyncio.Semaphore(max_in_flight)
     results: list[Result] = []
-    async with session() as http:
+    async with session(endpoint, part) as http:
         model = await served_model(http, endpoint)
         with tqdm(total=len(plan), desc=f"{label} [{part}]", unit="req", position=part, mininterval=2.0) as bar:
 
@@ -144,7 +144,7 @@ async def _sustain(
 ) -> list[Result]:
     feed = itertools.cycle(samples)
     results: list[Result] = []
-    async with session() as http:
+    async with session(endpoint, part) as http:
         model = await served_model(http, endpoint)
         with tqdm(desc=f"{label} [{part}]", unit="req", position=part, mininterval=2.0) as bar:
 
