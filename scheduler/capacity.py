@@ -39,7 +39,8 @@ BATCH_TIME_CONSTANT_S = 2.5
 # Below this many requests per worker the step is mostly fixed cost and launch jitter: too
 # little to scale a whole site's capacity from.
 MIN_BATCH_PER_WORKER = 8.0
-# Full: this much of a site's slots, or of its KV cache, in use. A wave of arrivals queues for a
+# Full: a site holding this much of its slots' worth of requests (decoding, prefilling or
+# waiting at its workers), or using this much of its KV cache. A wave of arrivals queues for a
 # moment at a site with thousands of free slots; read as saturation, its low delivered rate
 # cut the US site's estimate by a third in a bench run, and its share with it.
 FULL_FRACTION = 0.95
@@ -58,8 +59,10 @@ def decode_speed_ratio(profile: GpuProfile, batch: float, context_tokens: float,
 
 
 def _full(report: SiteReport) -> bool:
-    """Every slot or the KV cache (nearly) in use; a site that does not say its slots, if it queues."""
-    slots_full = report.slots <= 0 or report.running_requests >= FULL_FRACTION * report.slots
+    """As many requests as slots, or the KV cache (nearly) in use; a site that does not say its
+    slots, if it queues. Prompts being prefilled count: SGLang shows them as waiting, not running."""
+    held = report.running_requests + report.queued_requests
+    slots_full = report.slots <= 0 or held >= FULL_FRACTION * report.slots
     return slots_full or report.kv_usage >= FULL_FRACTION
 
 

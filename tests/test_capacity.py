@@ -43,12 +43,14 @@ def test_saturation_must_settle_before_it_lowers_the_estimate() -> None:
 
 def test_a_queue_beside_free_slots_is_not_saturation() -> None:
     """A wave of arrivals waits a moment at a site running half its slots: what it delivers then
-    says nothing of its capacity. Once every slot is busy, the same queue is saturation."""
+    says nothing of its capacity. Once its requests fill every slot (decoding, or prefilling:
+    SGLang counts those as waiting), the same queue is saturation."""
     est = CapacityEstimator(200_000, 200_000)
     half = dict(healthy_workers=16, total_workers=16, slots=16384, queued_requests=9, kv_usage=0.3)
     _run(est, 30, **half, running_requests=8192, gen_throughput_tok_s=70_000)
     assert est.capacity_tok_s(16, 16) == 200_000
-    _run(est, 30, **half, running_requests=16384, gen_throughput_tok_s=180_000)
+    prefilling = {**half, "queued_requests": 4000}
+    _run(est, 30, **prefilling, running_requests=12384, gen_throughput_tok_s=180_000)
     assert abs(est.capacity_tok_s(16, 16) / 180_000 - 1) < 0.05 and est.evidence == "saturated"
 
 
