@@ -36,11 +36,15 @@ GRPC_SERVER_OPTIONS = (
 
 # gRPC clients: after a peer was unreachable (a partition, a restart), reconnect within a
 # second of it coming back. grpc-core's default backoff grows to 120 s, so a site healed
-# after a 30-s partition rejoined only ~16 s later in the partition drill.
+# after a 30-s partition rejoined only ~16 s later in the partition drill. The "minimum
+# reconnect backoff" is grpc-core's minimum connection-attempt timeout, not a delay: at 200 ms
+# every attempt to a site across an emulated WAN (a 1.2-s round trip at drill speed) or to a
+# busy agent timed out before the server's SETTINGS frame, and a site that joined under load
+# failed its first requests until the gateways opened its circuit.
 GRPC_CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.min_reconnect_backoff_ms", 10_000),
 )
 
 

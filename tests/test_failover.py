@@ -173,3 +173,19 @@ async def test_scheduler_replicas_fail_over_then_degrade(make_federation) -> Non
     status = _status(path)
     assert status.returncode == 1 and "no scheduler replica reachable" in status.stderr
     assert "degraded" in status.stderr
+
+
+@pytest.mark.timeout(120)
+async def test_a_site_across_a_slow_wan_link_joins_and_serves(make_federation) -> None:
+    """Korea behind a 1.5-s round trip (a WAN at drill speed, or a busy peer): its reports
+    reach the schedulers and the gateway's streams reach its agent, though a connection's
+    handshake outlasts gRPC's reconnect backoff (each attempt once timed out at 200 ms)."""
+    fed, _ = make_federation(rtt_ms=1500)
+    body = {"model": MODEL, "prompt": "far", "max_tokens": 8, "ignore_eos": True}
+    async with aiohttp.ClientSession() as http:
+        for _ in range(40):  # until one lands in Korea (the policy prefers the closer, emptier US)
+            async with http.post(_endpoint(fed) + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                if resp.headers["x-federation-site"] == "kr-mi300x":
+                    return
+    pytest.fail("no request was served by the site across the slow link")

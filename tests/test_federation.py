@@ -30,7 +30,13 @@ GPUS = 4
 
 
 def _config(
-    tmp: Path, sites: list[tuple[str, str, str]], *, speed: float = 10, scheduler: str = "", gateway: str = ""
+    tmp: Path,
+    sites: list[tuple[str, str, str]],
+    *,
+    speed: float = 10,
+    scheduler: str = "",
+    gateway: str = "",
+    rtt_ms: float = 130,
 ) -> tuple[Path, dict]:
     """A small federation's YAML; `scheduler` and `gateway` add keys to their sections (replicas,
     policy; processes)."""
@@ -42,7 +48,7 @@ def _config(
         f"gateway: {{port: {ports['gateway']}, region: us-west-2{', ' + gateway if gateway else ''}}}",
         f"scheduler: {{port: {ports['scheduler']}, region: us-west-2{', ' + scheduler if scheduler else ''}}}",
         "links:",
-        "  - {between: [ap-northeast-2, us-west-2], rtt_ms: 130}",
+        f"  - {{between: [ap-northeast-2, us-west-2], rtt_ms: {rtt_ms}}}",
         "  - {between: [eu-central-1, us-west-2], rtt_ms: 150}",  # for a site that joins (fedctl drill add-site)
         "sites:",
     ]
