@@ -6,7 +6,9 @@ move it, every report:
 - A site whose requests wait while its slots (or its KV cache) are full is saturated, and a
   saturated site delivers exactly its capacity: the estimate moves toward the delivered rate.
   A queue beside free room is only requests waiting for the next step to admit them.
-- A site with room to spare still shows how fast it runs the batch it has. Its workers'
+- A site with room to spare and nothing waiting still shows how fast it runs the batch it
+  has (with prompts waiting or being prefilled, its steps also carry their prefill, and a
+  wave of arrivals would read as a slow GPU: the estimate waits). Its workers'
   decode step at that batch (running requests over tokens/s) against the step the GPU
   profile predicts for the same batch and context says how much faster or slower the
   site is than declared; the declared capacity scaled by that ratio is the estimate. So a
@@ -101,7 +103,7 @@ class CapacityEstimator:
         self.batch_per_worker += follow * (report.running_requests / healthy - self.batch_per_worker)
         self.context_per_worker += follow * (report.context_tokens / healthy - self.context_per_worker)
         self.saturated_for_s = self.saturated_for_s + dt_s if report.queued_requests > 0 and _full(report) else 0.0
-        busy = report.running_requests / healthy >= MIN_BATCH_PER_WORKER
+        busy = report.running_requests / healthy >= MIN_BATCH_PER_WORKER and report.queued_requests == 0
         self.busy_for_s = self.busy_for_s + dt_s if busy else 0.0
 
         if self.saturated_for_s >= SETTLE_S:

@@ -54,6 +54,17 @@ def test_a_queue_beside_free_slots_is_not_saturation() -> None:
     assert abs(est.capacity_tok_s(16, 16) / 180_000 - 1) < 0.05 and est.evidence == "saturated"
 
 
+def test_a_wave_being_prefilled_is_not_read_as_a_slow_gpu() -> None:
+    """A joining site takes thousands of requests at once: while their prompts are prefilled
+    (SGLang shows them waiting) its few decoding requests step slowly. That is no evidence of
+    a slow GPU, and the estimate waits for the wave to pass."""
+    est = CapacityEstimator.for_site("mi355x", 16)
+    before = est.capacity_tok_s(16, 16)
+    wave = dict(healthy_workers=16, total_workers=16, slots=16384, running_requests=4000, queued_requests=3000)
+    _run(est, 30, **wave, context_tokens=4000 * 1600, gen_throughput_tok_s=20_000)
+    assert est.capacity_tok_s(16, 16) == before
+
+
 def test_lost_workers_lower_capacity_at_once() -> None:
     """A site with 12 of 16 workers healthy delivers three quarters of its capacity; what the
     12 deliver is read as the whole site's rate scaled up, so losing workers is not slowness."""
