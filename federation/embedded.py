@@ -137,12 +137,17 @@ class Federation:
         the schedulers have forgotten it (`fedctl site remove`); returns what was stopped."""
         if not any(s.name == name for s in self.config.sites):
             raise ValueError(f"no site named {name!r} was started here")
-        own = [c for c in self.children if c.name == f"agent {name}" or _is_link_of(c.name, name)]
+        own = [*(c for c in self.children if c.name == f"agent {name}"), *self.links_of(name)]
         for child in own:
             child.stop()
             self.children.remove(child)
         self.config = dataclasses.replace(self.config, sites=tuple(s for s in self.config.sites if s.name != name))
         return [c.name for c in own]
+
+    def links_of(self, site: str) -> list[Child]:
+        """The site's WAN links, as `_start_site` names them: "link SITE->scheduler I" (its
+        reports) and "link gateway->SITE" (the gateway's streams)."""
+        return [c for c in self.children if c.name.startswith(f"link {site}->") or c.name == f"link gateway->{site}"]
 
     def _wait_sites_ready(self, wanted: set[str], started: int = 0) -> None:
         """These sites ready at every scheduler replica (while none of the processes started
@@ -169,11 +174,6 @@ class Federation:
             child.stop()
         if self._metrics_dir:
             shutil.rmtree(self._metrics_dir, ignore_errors=True)
-
-
-def _is_link_of(child: str, site: str) -> bool:
-    """The names `_start_site` gives a site's links: "link SITE->scheduler I", "link gateway->SITE"."""
-    return child.startswith(f"link {site}->") or child == f"link gateway->{site}"
 
 
 @contextmanager

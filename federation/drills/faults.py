@@ -119,18 +119,15 @@ class SiteCrash(Fault):
 class SitePartition(Fault):
     heals = True
 
-    def _links(self, federation: Federation):
-        return [c for c in federation.children if c.name.startswith("link") and self.site in c.name]
-
     def _inject(self, federation: Federation) -> None:
-        links = self._links(federation)
+        links = federation.links_of(self.site)
         if not links:
             raise DrillError(f"{self.site} has no WAN link to cut (it is in the gateway's region)")
         for link in links:
             link.proc.send_signal(signal.SIGUSR1)
 
     def _heal(self, federation: Federation) -> None:
-        for link in self._links(federation):
+        for link in federation.links_of(self.site):
             link.proc.send_signal(signal.SIGUSR2)
 
     def detected(self) -> bool:
@@ -211,13 +208,9 @@ class SiteJoin(Fault):
     against an operator's federation, their --inject command starts their site's agent.
     Detected when it is ready at the schedulers; it then earns its share by slow start."""
 
-    region: str = JOINING_REGION
-    gpu: str = JOINING_GPU
-    gpus: int = JOINING_GPUS
-
     def _inject(self, federation: Federation) -> None:
-        ports = free_port_block(1 + self.gpus)
-        federation.add_site(SiteConfig(self.site, self.region, self.gpu, self.gpus, ports, ports + 1))
+        ports = free_port_block(1 + JOINING_GPUS)
+        federation.add_site(SiteConfig(self.site, JOINING_REGION, JOINING_GPU, JOINING_GPUS, ports, ports + 1))
 
     def detected(self) -> bool:
         state = self._state()

@@ -203,14 +203,15 @@ GAUGES_READ = (
     "sglang:gen_throughput",
     "sglang:num_used_tokens",
 )
+# Their sample lines ("name{labels} value", "name value") and their TYPE lines.
+_GAUGE_LINE_STARTS = tuple(f"{prefix}{name}{end}" for prefix in ("", "# TYPE ") for name in GAUGES_READ for end in "{ ")
 
 
 def _gauge_lines(text: str) -> str:
     """Only the lines of the gauges read, with their TYPE lines. A worker's /metrics is ~25 KB,
     mostly histograms; parsing all of it for 16 workers every second took a tenth of the
     agent's loop under load (py-spy), time the streams it relays were waiting for."""
-    wanted = tuple(f"{prefix}{name}{end}" for prefix in ("", "# TYPE ") for name in GAUGES_READ for end in "{ ")
-    return "\n".join(line for line in text.splitlines() if line.startswith(wanted))
+    return "\n".join(line for line in text.splitlines() if line.startswith(_GAUGE_LINE_STARTS))
 
 
 async def scrape(session: aiohttp.ClientSession, url: str, timeout_s: float) -> WorkerStats | None:
