@@ -39,9 +39,12 @@ def _config(
     rtt_ms: float = 130,
 ) -> tuple[Path, dict]:
     """A small federation's YAML; `scheduler` and `gateway` add keys to their sections (replicas,
-    policy; processes)."""
+    policy; processes). Every port from one block free now: blocks found free one by one are not
+    reserved, and two of them overlapped (an emulator could not bind a port its agent had)."""
     replicas = 2 if "replicas: 2" in scheduler else 1
-    ports = {"gateway": free_port_block(1), "scheduler": free_port_block(replicas)}
+    first = free_port_block(1 + replicas + len(sites) * (1 + GPUS))
+    ports = {"gateway": first, "scheduler": first + 1}  # replica i listens on scheduler + i
+    next_port = first + 1 + replicas
     lines = [
         f"model: {MODEL}",
         f"speed: {speed}",
@@ -52,12 +55,13 @@ def _config(
         "  - {between: [eu-central-1, us-west-2], rtt_ms: 150}",  # for a site that joins (fedctl drill add-site)
         "sites:",
     ]
-    for name, region, gpu in sites:
-        ports[name] = free_port_block(GPUS)
+    for name, region, gpu in sites:  # the agent's port, then its workers'
+        ports[name] = next_port + 1
         lines.append(
             f"  - {{name: {name}, region: {region}, gpu: {gpu}, gpus: {GPUS}, "
-            f"agent_port: {free_port_block(1)}, worker_port: {ports[name]}}}"
+            f"agent_port: {next_port}, worker_port: {ports[name]}}}"
         )
+        next_port += 1 + GPUS
     path = tmp / "federation.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path, ports
