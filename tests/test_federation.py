@@ -7,6 +7,7 @@ emulated 10x faster) with the WAN link to Korea emulated at 130 ms.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import signal
 import socket
@@ -153,6 +154,30 @@ async def test_chat_and_completion_with_usage(client: openai.AsyncOpenAI) -> Non
     chunks = [c async for c in stream]
     assert len(tokens.encode("".join(c.choices[0].text for c in chunks if c.choices))) == 40
     assert chunks[-1].usage.completion_tokens == 40
+
+
+async def test_continuous_usage_says_the_tokens_so_far(client: openai.AsyncOpenAI) -> None:
+    """With `continuous_usage_stats` every streamed text chunk says the tokens so far, chat and
+    completion alike (a client that stops reading knows what it received), ending at the total."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=80, stream=True, stream_options=options,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    comp = await client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=80, stream=True, stream_options=options,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for chunks, text_of in (
+        ([c async for c in chat], lambda c: c.choices[0].delta.content),
+        ([c async for c in comp], lambda c: c.choices[0].text),
+    ):
+        texts = [text_of(c) for c in chunks if c.choices and text_of(c)]
+        counted = [c.usage.completion_tokens for c in chunks if c.choices and text_of(c)]
+        received = [len(tokens.encode(text)) for text in itertools.accumulate(texts)]
+        assert len(counted) >= 2 and counted == sorted(counted) and counted[-1] == 80
+        assert all(abs(n - m) <= 1 for n, m in zip(counted, received, strict=True))  # a chunk may end mid-word
+        assert chunks[-1].usage.completion_tokens == 80
 
 
 async def test_forty_requests_reach_both_sites(client: openai.AsyncOpenAI, federation) -> None:

@@ -3,11 +3,15 @@
 The request is a streamed `/v1/completions` with the sample's text prompt, its
 length as `max_tokens` and `ignore_eos`, and `include_usage`: the API our users call,
 which the federation's gateway, SGLang itself and the sglang-router all serve. TTFT is
-the first event carrying text; the token count is the usage the endpoint reports.
+the first event carrying text; the token count is the usage the endpoint reports. It also
+asks for `continuous_usage_stats`: an endpoint that reports the tokens so far on every chunk
+(our gateway does) lets a sustained run stop reading when its window ends, knowing what each
+open answer delivered, instead of waiting minutes for the longest ones to finish.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +34,7 @@ class Result:
     output_tokens: int
     site: str
     error: str | None = None
+    cut: bool = False  # the client stopped reading at `stop_at`: `output_tokens` were received by `finished`
 
     @property
     def ok(self) -> bool:
@@ -70,7 +75,7 @@ def body(model: str, sample: Sample) -> bytes:
             "max_tokens": sample.output_tokens,
             "ignore_eos": True,
             "stream": True,
-            "stream_options": {"include_usage": True},
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
     )
 
@@ -82,36 +87,45 @@ async def send(
     sample: Sample,
     on_first_token: Callable[[], None] | None = None,
     started: float | None = None,
+    stop_at: float | None = None,
 ) -> Result:
     """Never raises for the endpoint's failures: they come back as a Result with `error`.
     `on_first_token` is called the moment the first text arrives (LoadGen's FirstTokenComplete).
     `started` is when the request was due (a Poisson arrival): latencies count from there even
-    if the client could only send it later."""
+    if the client could only send it later. At `stop_at` (time.monotonic()) the answer is `cut`:
+    its tokens so far, as of the last chunk that said them; an answer that has begun on an
+    endpoint that says its tokens only at the end is read to the end."""
     started, first, tokens, site = started or time.monotonic(), None, 0, ""
+    counted_at: float | None = None  # when a chunk last said how many tokens had come
     try:
-        async with http.post(
-            endpoint + "/completions", data=body(model, sample), headers={"Content-Type": "application/json"}
-        ) as resp:
-            site = resp.headers.get(SITE_HEADER, "")
-            if resp.status != 200:
-                text = (await resp.text())[:300]
-                return Result(sample.index, started, None, time.monotonic(), 0, site, f"HTTP {resp.status}: {text}")
-            async for line in resp.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                event = orjson.loads(line[len(b"data: ") :])
-                if "error" in event:
-                    error = event["error"]
-                    return Result(
-                        sample.index, started, first, time.monotonic(), tokens, site, f"stream error: {error}"
-                    )
-                if first is None and any(c.get("text") for c in event.get("choices", ())):
-                    first = time.monotonic()
-                    if on_first_token is not None:
-                        on_first_token()
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
+        async with asyncio.timeout_at(stop_at) as window:
+            async with http.post(
+                endpoint + "/completions", data=body(model, sample), headers={"Content-Type": "application/json"}
+            ) as resp:
+                site = resp.headers.get(SITE_HEADER, "")
+                if resp.status != 200:
+                    text = (await resp.text())[:300]
+                    return Result(sample.index, started, None, time.monotonic(), 0, site, f"HTTP {resp.status}: {text}")
+                async for line in resp.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    event = orjson.loads(line[len(b"data: ") :])
+                    if "error" in event:
+                        error = event["error"]
+                        return Result(
+                            sample.index, started, first, time.monotonic(), tokens, site, f"stream error: {error}"
+                        )
+                    if first is None and any(c.get("text") for c in event.get("choices", ())):
+                        first = time.monotonic()
+                        if on_first_token is not None:
+                            on_first_token()
+                        if not event.get("usage"):
+                            window.reschedule(None)  # its tokens come only at the end: read to it
+                    if event.get("usage"):
+                        tokens, counted_at = event["usage"]["completion_tokens"], time.monotonic()
     except (aiohttp.ClientError, TimeoutError) as exc:
+        if isinstance(exc, TimeoutError) and window.expired():
+            return Result(sample.index, started, first, counted_at or time.monotonic(), tokens, site, cut=True)
         return Result(sample.index, started, first, time.monotonic(), tokens, site, f"{type(exc).__name__}: {exc}")
     if tokens != sample.output_tokens:
         return Result(

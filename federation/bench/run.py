@@ -156,7 +156,7 @@ def _offline(endpoint: str, samples: Sequence[Sample], args: argparse.Namespace,
     if args.sustain_s is None:
         results = scenarios.run_plan(endpoint, scenarios.offline_plan(samples), args.max_in_flight, label)
         return scenarios.summarize(results, scenario="offline", policy=label, speed=speed)
-    sustain = scenarios.Sustain(args.warmup_s, args.sustain_s)
+    sustain = scenarios.Sustain(args.warmup_s, args.sustain_s, cut_at_end=True)
     results, window = scenarios.run_sustained(endpoint, samples, args.max_in_flight, sustain, speed, label)
     summary = scenarios.summarize(results, scenario="offline", policy=label, speed=speed, window=window)
     return {**summary, "sustained": {"warmup_s": sustain.warmup_s, "window_s": sustain.window_s}}

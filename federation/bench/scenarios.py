@@ -113,20 +113,25 @@ class Sustain:
     warmup_s: float
     window_s: float
     ramp_s: float = 0.0
+    # Stop reading the answers still open when the window ends (a benchmark: what they delivered
+    # is known), rather than reading each to its end (a drill: nothing accepted may be lost).
+    cut_at_end: bool = False
 
 
 def run_sustained(
     endpoint: str, samples: Sequence[Sample], open_requests: int, sustain: Sustain, speed: float, label: str
 ) -> tuple[list[Result], tuple[float, float]]:
     """Keep `open_requests` samples open (cycling through `samples`) until the window ends,
-    then let the open ones finish. Returns every result and the window (time.monotonic(),
-    shared by every client process)."""
+    then let the open ones finish, or with `cut_at_end` stop reading: they are `cut` with the
+    tokens they had delivered (an endpoint that says its tokens only at the end has its begun
+    answers read to the end). Returns every result and the window (time.monotonic(), shared by every client process)."""
     start = time.monotonic() + START_DELAY_S + sustain.warmup_s / speed
     window = (start, start + sustain.window_s / speed)
     parts = max(1, math.ceil(open_requests / PER_PROCESS_IN_FLIGHT))
     lanes = math.ceil(open_requests / parts)
     ramp_s = sustain.ramp_s / speed
-    jobs = [(endpoint, samples[i::parts], lanes, window[1], ramp_s, label, i) for i in range(parts)]
+    cut_at = window[1] if sustain.cut_at_end else None
+    jobs = [(endpoint, samples[i::parts], lanes, window[1], cut_at, ramp_s, label, i) for i in range(parts)]
     if parts == 1:
         return _sustain_in_process(*jobs[0]), window
     with multiprocessing.get_context("spawn").Pool(parts) as pool:
@@ -134,13 +139,27 @@ def run_sustained(
 
 
 def _sustain_in_process(
-    endpoint: str, samples: Sequence[Sample], lanes: int, stop_at: float, ramp_s: float, label: str, part: int
+    endpoint: str,
+    samples: Sequence[Sample],
+    lanes: int,
+    stop_at: float,
+    cut_at: float | None,
+    ramp_s: float,
+    label: str,
+    part: int,
 ):
-    return asyncio.run(_sustain(endpoint, samples, lanes, stop_at, ramp_s, label, part))
+    return asyncio.run(_sustain(endpoint, samples, lanes, stop_at, cut_at, ramp_s, label, part))
 
 
 async def _sustain(
-    endpoint: str, samples: Sequence[Sample], lanes: int, stop_at: float, ramp_s: float, label: str, part: int
+    endpoint: str,
+    samples: Sequence[Sample],
+    lanes: int,
+    stop_at: float,
+    cut_at: float | None,
+    ramp_s: float,
+    label: str,
+    part: int,
 ) -> list[Result]:
     feed = itertools.cycle(samples)
     results: list[Result] = []
@@ -151,7 +170,7 @@ async def _sustain(
             async def lane(k: int) -> None:
                 await asyncio.sleep(ramp_s * k / lanes)
                 while time.monotonic() < stop_at:
-                    results.append(await send(http, endpoint, model, next(feed)))
+                    results.append(await send(http, endpoint, model, next(feed), stop_at=cut_at))
                     bar.update()
 
             await asyncio.gather(*(lane(k) for k in range(lanes)))
@@ -214,12 +233,13 @@ def summarize(
 ) -> dict[str, Any]:
     """The issue's JSON keys for one run (GPU time; see the module docstring). With `window`
     (a sustained run) the tokens, duration and rates are the window's."""
-    ok = [r for r in results if r.ok]
+    ended = [r for r in results if not r.cut]  # answered or failed; a cut one counts only its tokens
+    ok = [r for r in ended if r.ok]
     if window is None:
-        start = min((r.started for r in results), default=0.0)
+        start = min((r.started for r in ended), default=0.0)
         end = max((r.finished for r in ok), default=start)
         tokens: float = sum(r.output_tokens for r in ok)
-        steady_tok_s, steady_window_s = steady_rate(results)
+        steady_tok_s, steady_window_s = steady_rate(ended)
     else:
         start, end = window
         steady_tok_s, steady_window_s = window_rate(results, window), end - start
@@ -232,15 +252,16 @@ def summarize(
         per_site[r.site or "unknown"]["requests"] += 1
         per_site[r.site or "unknown"]["output_tokens"] += r.output_tokens
     errors: dict[str, int] = defaultdict(int)
-    for r in results:
+    for r in ended:
         if r.error:
             errors[r.error[:120]] += 1
     return {
         "scenario": scenario,
         "policy": policy,
-        "requests": len(results),
+        "requests": len(ended),
         "requests_ok": len(ok),
-        "requests_failed": len(results) - len(ok),
+        "requests_failed": len(ended) - len(ok),
+        "requests_cut": len(results) - len(ended),
         "output_tokens": round(tokens),
         "duration_s": round(duration_s, 2),
         "output_tokens_per_s": round(tokens / duration_s, 1) if duration_s > 0 else 0.0,

@@ -42,6 +42,7 @@ class Job:
     stream: bool
     include_usage: bool
     model: str
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every text chunk
 
 
 def _is_int(v: Any) -> bool:
@@ -128,14 +129,16 @@ def _max_tokens(body: dict[str, Any], prompt_tokens: int, context_tokens: int, *
     return asked, asked
 
 
-def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """stream, include_usage, continuous_usage_stats (vLLM's and SGLang's chat option: the tokens
+    so far on every chunk, so a client that stops reading knows what it received)."""
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("`stream` must be true or false", param="stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("`stream_options` must be an object", param="stream_options")
-    return stream, bool(options.get("include_usage"))
+    return stream, bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
 
 
 def chat_job(body: dict[str, Any], *, request_id: str, served_model: str, context_tokens: int) -> Job:
@@ -165,9 +168,9 @@ def chat_job(body: dict[str, Any], *, request_id: str, served_model: str, contex
     prompt_tokens = _count(text, context_tokens, "messages")
     sampling = _sampling(body)
     asked, budget = _max_tokens(body, prompt_tokens, context_tokens, "max_completion_tokens", "max_tokens")
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage, continuous = _stream_flags(body)
     request = wire.GenerateRequest(request_id, prompt_tokens, {**sampling, "max_new_tokens": budget}, text=text)
-    return Job("chat", request, asked, stream, include_usage, model)
+    return Job("chat", request, asked, stream, include_usage, model, continuous)
 
 
 def completion_job(body: dict[str, Any], *, request_id: str, served_model: str, context_tokens: int) -> Job:
@@ -184,9 +187,9 @@ def completion_job(body: dict[str, Any], *, request_id: str, served_model: str, 
     sampling = _sampling(body)
     fields = ("max_tokens",)
     asked, budget = _max_tokens({"max_tokens": 16, **body}, prompt_tokens, context_tokens, *fields)
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage, continuous = _stream_flags(body)
     request = wire.GenerateRequest(request_id, prompt_tokens, {**sampling, "max_new_tokens": budget}, text, ids)
-    return Job("completion", request, asked, stream, include_usage, model)
+    return Job("completion", request, asked, stream, include_usage, model, continuous)
 
 
 def generate_job(body: dict[str, Any], *, request_id: str, served_model: str, context_tokens: int) -> Job:

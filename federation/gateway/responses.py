@@ -124,6 +124,8 @@ class Answer:
             else:
                 choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": None}
                 events.append({**self._head("text_completion"), "choices": [choice]})
+            if self.job.continuous_usage:
+                events[-1]["usage"] = usage(self.job, self.completion_tokens)
         return events
 
     def closing_events(self) -> list[dict[str, Any]]:
