@@ -90,6 +90,16 @@ async def test_completion_and_stream(client: openai.AsyncOpenAI) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 30
 
 
+async def test_completion_stream_with_continuous_usage(client: openai.AsyncOpenAI) -> None:
+    """`continuous_usage_stats`: as SGLang does, every completion chunk says the tokens so far."""
+    stream = await client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=30, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    counted = [c.usage.completion_tokens for c in [c async for c in stream] if c.choices]
+    assert len(counted) >= 2 and counted == sorted(counted) and counted[-1] == 30
+
+
 async def test_stop_sequence_in_chat(client: openai.AsyncOpenAI) -> None:
     """`stop` ends a chat answer with finish_reason stop and the stop text removed."""
     first = await client.chat.completions.create(

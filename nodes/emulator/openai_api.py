@@ -307,6 +307,7 @@ def _completion_body(body: dict[str, Any], gen: Generation) -> dict[str, Any]:
 
 async def _completion_chunks(body: dict[str, Any], gen: Generation) -> AsyncIterator[dict[str, Any]]:
     head = _head(body, gen, "text_completion")
+    continuous = bool(body["stream_options"].get("continuous_usage_stats"))
     sent_text, k = "", 0
     async for k in gen.progress():
         text = gen.text_and_ids(k)[0]
@@ -325,7 +326,7 @@ async def _completion_chunks(body: dict[str, Any], gen: Generation) -> AsyncIter
                         "matched_stop": matched,
                     }
                 ],
-                "usage": None,
+                "usage": _usage(gen, k) if continuous else None,
             }
     if body["stream_options"].get("include_usage"):
         usage = {k_: v for k_, v in _usage(gen, k).items() if v is not None}
