@@ -1,4 +1,5 @@
-"""Operator actions on every scheduler replica: state, drain, undrain, remove.
+"""Operator actions on every scheduler replica: state, drain, undrain, remove; and joining an
+agent that waits for them.
 
 Replicas are active-active with soft state, so an admin action goes to each one that
 answers; the state is read from the first that answers.
@@ -15,6 +16,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from federation import wire
+from federation.credential import bearer
 
 ADMIN_TIMEOUT_S = 3.0
 DRAIN_POLL_S = 0.5
@@ -101,3 +103,34 @@ def wait_empty(addresses: Sequence[str], site: str, timeout_s: float, on_poll: C
             return True
         time.sleep(DRAIN_POLL_S)
     return False
+
+
+def join_agent(agent: str, request: wire.JoinRequest, credential: str) -> str:
+    """Tell the agent at `agent` to join `request.schedulers`; the address it registers.
+    Raises grpc.RpcError with the agent's reason when it refuses."""
+    with grpc.insecure_channel(agent) as channel:
+        reply = wire.SiteAgentStub(channel).Join(
+            wire.join_request_to_pb(request), metadata=bearer(credential), timeout=ADMIN_TIMEOUT_S
+        )
+    return reply.agent_address
+
+
+def wait_joined(addresses: Sequence[str], site: str, since_unix_s: float, timeout_s: float) -> str | None:
+    """Poll until the site is ready at every replica (None), or a replica refused it after
+    `since_unix_s` (its reason). Raises TimeoutError when neither happens within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready = 0
+        for address in addresses:
+            try:
+                state = fetch_state(address)
+            except grpc.RpcError:
+                continue
+            refused = [r for r in state.refused if r.name == site and r.at_unix_s >= since_unix_s]
+            if refused:
+                return refused[-1].reason
+            ready += any(s.name == site and s.status is wire.SiteStatus.READY for s in state.sites)
+        if ready == len(addresses):
+            return None
+        time.sleep(DRAIN_POLL_S)
+    raise TimeoutError(f"{site} was not ready at every scheduler replica within {timeout_s:.0f} s")

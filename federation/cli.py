@@ -4,6 +4,7 @@ fedctl up [--config FILE] [--port 8080] [--speed X]   the embedded default, or F
 fedctl status [--json] [--scheduler HOST:PORT]         the sites as the schedulers see them
 fedctl site drain|undrain|remove NAME                  stop new work at a site, resume it, drop it
 fedctl site add --name N --region R --gpu G --gpus N --emulate   a new site joins `fedctl up`
+fedctl site add --name N --region R --gpu G --gpus N --agent HOST:PORT   a running agent joins
 fedctl bench [--scenario offline|server] [--json FILE]  throughput and latency (fedctl bench -h)
 fedctl drill SCENARIO [--json FILE] [--png FILE]       a fault under load (fedctl drill -h)
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import queue
 import signal
 import sys
@@ -21,9 +23,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
-from federation import admin, control, runtime
+import grpc
+
+from federation import admin, control, runtime, wire
 from federation.bench import run as bench
-from federation.config import ConfigError, SiteConfig, load
+from federation.config import JOIN_TOKEN_ENV, ConfigError, SiteConfig, load
 from federation.drills import run as drills
 from federation.embedded import Federation
 from federation.processes import StartFailed, free_port_block
@@ -60,7 +64,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add.add_argument("--region", required=True)
     add.add_argument("--gpu", required=True, choices=sorted(PROFILES))
     add.add_argument("--gpus", type=runtime.positive_int, required=True)
-    add.add_argument("--emulate", action="store_true", help="emulated workers, started by the running `fedctl up`")
+    how = add.add_mutually_exclusive_group(required=True)
+    how.add_argument("--emulate", action="store_true", help="emulated workers, started by the running `fedctl up`")
+    how.add_argument(
+        "--agent",
+        metavar="HOST:PORT",
+        help="an agent already running without schedulers: it joins them (credential: $FEDERATION_JOIN_TOKEN)",
+    )
+    add.add_argument("--timeout-s", type=runtime.positive_float, default=120.0, help="(--agent) wait this long")
     for parser in site.choices.values():
         _add_target(parser)
     bench.add_arguments(sub.add_parser("bench", help="measure the federation, its sites alone and the peers"))
@@ -239,15 +250,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_site_add(args: argparse.Namespace) -> int:
-    """Ask the running `fedctl up` of this config to start the site; it answers once the site
-    is ready at every scheduler replica."""
-    if not args.emulate:
-        print(
-            "fedctl: a site with real workers joins by itself: start its agent (python -m nodes.agent "
-            "--scheduler ... --worker-url ...) with FEDERATION_JOIN_TOKEN set; use --emulate for emulated workers",
-            file=sys.stderr,
-        )
-        return 2
+    """--emulate: ask the running `fedctl up` of this config to start the site; it answers once
+    the site is ready at every scheduler replica. --agent: tell that agent to join the
+    schedulers, then wait until every replica has it ready, or one refuses it."""
+    if args.agent:
+        return _join_agent(args)
     config = load(args.config)
     site = {"name": args.name, "region": args.region, "gpu": args.gpu, "gpus": args.gpus}
     try:
@@ -259,6 +266,34 @@ def cmd_site_add(args: argparse.Namespace) -> int:
         print(f"fedctl: {args.name} not added: {reply['error']}", file=sys.stderr)
         return 2
     print(f"{args.name}: joined, agent at {reply['agent']}; its share grows as it proves its capacity")
+    return 0
+
+
+def _join_agent(args: argparse.Namespace) -> int:
+    schedulers = _schedulers(args)
+    request = wire.JoinRequest(tuple(schedulers), args.name, args.region, args.gpu, args.gpus)
+    asked_at = time.time()
+    try:
+        address = admin.join_agent(args.agent, request, os.environ.get(JOIN_TOKEN_ENV, ""))
+    except grpc.RpcError as exc:
+        hint = (
+            f" (set {JOIN_TOKEN_ENV} to the federation's credential)"
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED
+            else ""
+        )
+        print(
+            f"fedctl: the agent at {args.agent} did not join: {exc.details() or exc.code().name}{hint}", file=sys.stderr
+        )
+        return 2
+    try:
+        refusal = admin.wait_joined(schedulers, args.name, asked_at, args.timeout_s)
+    except TimeoutError as exc:
+        print(f"fedctl: {exc}; `fedctl status` shows where it stands", file=sys.stderr)
+        return 1
+    if refusal is not None:
+        print(f"fedctl: {args.name} refused: {refusal}", file=sys.stderr)
+        return 2
+    print(f"{args.name}: joined, agent at {address}; its share grows as it proves its capacity")
     return 0
 
 

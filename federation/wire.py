@@ -159,6 +159,18 @@ class GenerateChunk:
     worker: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class JoinRequest:
+    """`fedctl site add --agent`: the schedulers an agent started without them is to join, and
+    the site the operator means it to be."""
+
+    schedulers: tuple[str, ...]
+    site: str
+    region: str
+    gpu: str
+    gpus: int
+
+
 def _plain(dc: Any) -> dict[str, Any]:
     return {f.name: getattr(dc, f.name) for f in fields(dc)}
 
@@ -229,6 +241,14 @@ def abort_reply_to_pb(found: bool) -> pb.AbortReply:
     return pb.AbortReply(found=found)
 
 
+def join_request_to_pb(r: JoinRequest) -> pb.JoinRequest:
+    return pb.JoinRequest(**_plain(r))
+
+
+def join_reply_to_pb(site: str, agent_address: str) -> pb.JoinReply:
+    return pb.JoinReply(site=site, agent_address=agent_address)
+
+
 # ---- from protobuf ----------------------------------------------------------------------
 
 
@@ -294,3 +314,7 @@ def state_request_from_pb(m: pb.StateRequest) -> float:
 
 def abort_request_from_pb(m: pb.AbortRequest) -> str:
     return m.request_id
+
+
+def join_request_from_pb(m: pb.JoinRequest) -> JoinRequest:
+    return JoinRequest(tuple(m.schedulers), m.site, m.region, m.gpu, m.gpus)

@@ -244,3 +244,25 @@ class AbortReply(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("schedulers", "site", "region", "gpu", "gpus")
+    SCHEDULERS_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    schedulers: _containers.RepeatedScalarFieldContainer[str]
+    site: str
+    region: str
+    gpu: str
+    gpus: int
+    def __init__(self, schedulers: _Optional[_Iterable[str]] = ..., site: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("site", "agent_address")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    agent_address: str
+    def __init__(self, site: _Optional[str] = ..., agent_address: _Optional[str] = ...) -> None: ...

@@ -427,6 +427,11 @@ class SiteAgentStub:
                 request_serializer=proto_dot_federation__pb2.AbortRequest.SerializeToString,
                 response_deserializer=proto_dot_federation__pb2.AbortReply.FromString,
                 _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/federation.v1.SiteAgent/Join',
+                request_serializer=proto_dot_federation__pb2.JoinRequest.SerializeToString,
+                response_deserializer=proto_dot_federation__pb2.JoinReply.FromString,
+                _registered_method=True)
 
 
 class SiteAgentServicer:
@@ -446,6 +451,16 @@ class SiteAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Join(self, request, context):
+        """An agent started without schedulers joins the ones named here (`fedctl site add --agent`).
+        It refuses with FAILED_PRECONDITION a site other than the one it runs, or schedulers other
+        than those it already joined; with a join credential in its environment, the call must carry
+        it as RegisterSite does (UNAUTHENTICATED), so no one else can point it elsewhere.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SiteAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -458,6 +473,11 @@ def add_SiteAgentServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=proto_dot_federation__pb2.AbortRequest.FromString,
                     response_serializer=proto_dot_federation__pb2.AbortReply.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=proto_dot_federation__pb2.JoinRequest.FromString,
+                    response_serializer=proto_dot_federation__pb2.JoinReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -515,6 +535,33 @@ class SiteAgent:
             '/federation.v1.SiteAgent/Abort',
             proto_dot_federation__pb2.AbortRequest.SerializeToString,
             proto_dot_federation__pb2.AbortReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/federation.v1.SiteAgent/Join',
+            proto_dot_federation__pb2.JoinRequest.SerializeToString,
+            proto_dot_federation__pb2.JoinReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,7 +6,6 @@ Decides, never carries tokens. Errors map to gRPC status codes here and only her
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from collections.abc import AsyncIterator, Mapping
 
@@ -14,6 +13,7 @@ import grpc
 import structlog
 
 from federation import wire
+from federation.credential import presented
 from scheduler.policy import POLICIES, RouteContext
 from scheduler.registry import RegistrationRefused, Registry, UnknownSite
 
@@ -63,16 +63,9 @@ class SchedulerService(wire.SchedulerServicer):
             for name in self.registry.expire(now):
                 log.warning("site.down", site=name, reason="no report within heartbeat timeout")
 
-    def _authenticated(self, context) -> bool:
-        """The call carries the federation's join credential (or none is needed)."""
-        if not self.join_credential:
-            return True
-        given = dict(context.invocation_metadata()).get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.join_credential}".encode())
-
     async def RegisterSite(self, request, context):
         reg = wire.registration_from_pb(request)
-        if not self._authenticated(context):
+        if not presented(context, self.join_credential):
             reason = f"site {reg.name!r} did not present this federation's join credential"
             self.registry.refuse(reg.name, reason)
             log.warning("site.refused", site=reg.name, reason=reason)
@@ -95,7 +88,7 @@ class SchedulerService(wire.SchedulerServicer):
 
     async def Report(self, request_iterator, context):
         """Reports in, commands out. The stream's end marks the site down at once."""
-        if not self._authenticated(context):
+        if not presented(context, self.join_credential):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "reports need this federation's join credential")
         commands: asyncio.Queue[wire.SchedulerCommand] = asyncio.Queue()
         reader = asyncio.ensure_future(self._read_reports(request_iterator, commands))

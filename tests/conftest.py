@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -21,14 +22,15 @@ SITES = [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "
 FAST = "20"  # emulated GPUs 20x faster than real ones: tests finish in seconds
 
 
-def fedctl(*args: str, timeout_s: float = 150) -> subprocess.CompletedProcess:
-    """`fedctl ARGS` as an operator runs it: its exit code and what it printed."""
+def fedctl(*args: str, timeout_s: float = 150, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`fedctl ARGS` as an operator runs it (with `env` added to ours): its exit code and what it printed."""
     return subprocess.run(
         [sys.executable, "-m", "federation.cli", *args],
         cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
         timeout=timeout_s,
+        env={**os.environ, **(env or {})},
     )
 
 

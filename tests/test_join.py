@@ -1,12 +1,14 @@
 """Joining a federation: a site that does not present the federation's join credential, or
 whose workers serve another model or tokenizer, is refused with the reason, never becomes a
-site (so no request is routed to it), and `fedctl status` tells the operator why."""
+site (so no request is routed to it), and `fedctl status` tells the operator why. An agent
+started without schedulers joins when `fedctl site add --agent` names them."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
+import openai
 import pytest
 
 from federation.config import JOIN_TOKEN_ENV
@@ -23,11 +25,12 @@ def _status(path: Path) -> subprocess.CompletedProcess:
     return fedctl("status", "--config", str(path), timeout_s=30)
 
 
-def _agent(fed: Federation, credential: str, *workers: str) -> Child:
-    """A newcomer's agent, started by hand as an operator would, pointed at the schedulers."""
+def _agent(fed: Federation, credential: str, *workers: str, port: int = 0, join: bool = True) -> Child:
+    """A newcomer's agent, started by hand as an operator would, pointed at the schedulers
+    (or, without `join`, waiting to be told them)."""
     schedulers = [arg for address in fed.config.scheduler_addresses for arg in ("--scheduler", address)]
     args = ["--site", NEWCOMER, "--region", "eu-central-1", "--gpu", "mi355x", "--gpus", "1"]
-    args += ["--port", str(free_port_block(1)), *schedulers, *workers]
+    args += ["--port", str(port or free_port_block(1)), *(schedulers if join else []), *workers]
     return start_python(f"agent {NEWCOMER}", "nodes.agent", args, env={JOIN_TOKEN_ENV: credential})
 
 
@@ -70,3 +73,42 @@ def test_a_site_with_another_tokenizer_is_refused(make_federation) -> None:
     finally:
         workers.stop()
     assert "tokenizes with 'someone/tok'" in status
+
+
+def _add_agent(path: Path, port: int, credential: str, gpus: int = 1) -> subprocess.CompletedProcess:
+    site = ["--name", NEWCOMER, "--region", "eu-central-1", "--gpu", "mi355x", "--gpus", str(gpus)]
+    return fedctl(
+        "site", "add", "--config", str(path), *site, "--agent", f"127.0.0.1:{port}", env={JOIN_TOKEN_ENV: credential}
+    )
+
+
+@pytest.mark.timeout(150)
+def test_an_agent_started_alone_joins_when_added(make_federation) -> None:
+    """An agent started without schedulers waits. `fedctl site add --agent` without its credential,
+    or naming another site, is refused with the reason and changes nothing; with both right, the
+    site becomes ready at every replica and serves the endpoint's requests (the others drained);
+    adding it again is a no-op."""
+    fed, path = make_federation()
+    port = free_port_block(1)
+    agent = _agent(fed, fed.join_token, "--emulate", "--speed", "10", port=port, join=False)
+    try:
+        wrong = _add_agent(path, port, "not-the-credential")
+        assert wrong.returncode == 2 and "did not present this site's join credential" in wrong.stderr, wrong.stderr
+        other = _add_agent(path, port, fed.join_token, gpus=2)
+        assert other.returncode == 2, other.stderr
+        assert "runs site 'eu-mi355x' (1 x mi355x in eu-central-1), not 'eu-mi355x' (2 x mi355x" in other.stderr
+        assert NEWCOMER not in _status(path).stdout
+
+        added = _add_agent(path, port, fed.join_token)
+        assert added.returncode == 0 and f"{NEWCOMER}: joined, agent at 127.0.0.1:{port}" in added.stdout, added.stderr
+        for name in ("kr-mi300x", "us-mi355x"):
+            assert fedctl("site", "drain", "--config", str(path), name).returncode == 0
+        endpoint = fed.config.gateway_url + "/v1"
+        with openai.OpenAI(base_url=endpoint, api_key="unused", max_retries=0) as client:
+            raw = client.completions.with_raw_response.create(
+                model=fed.config.model, prompt="Hello", max_tokens=20, extra_body={"ignore_eos": True}
+            )
+        assert raw.headers["x-federation-site"] == NEWCOMER and raw.parse().usage.completion_tokens == 20
+        assert _add_agent(path, port, fed.join_token).returncode == 0
+    finally:
+        agent.stop(10)

@@ -6,7 +6,8 @@
 
 With `--emulate` it launches an emulator process with one worker per GPU and owns it. It
 registers the model and tokenizer its workers say they serve, with the join credential in
-FEDERATION_JOIN_TOKEN when the federation has one.
+FEDERATION_JOIN_TOKEN when the federation has one. Started without `--scheduler`, it serves
+and waits until `fedctl site add --agent HOST:PORT` (presenting that credential) names them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import structlog
 from federation import runtime, wire
 from federation.config import JOIN_TOKEN_ENV
 from nodes.agent import calibrate
+from nodes.agent.join import JoinGate
 from nodes.agent.pool import WorkerPool
 from nodes.agent.reporter import ReportFeed
 from nodes.agent.service import SiteAgentService
@@ -47,7 +49,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50061)
     p.add_argument("--advertise", default=None, help="host:port gateways dial (default host:port)")
-    p.add_argument("--scheduler", action="append", required=True, help="host:port, repeatable")
+    p.add_argument(
+        "--scheduler",
+        action="append",
+        default=None,
+        help="host:port, repeatable; without it the agent waits for `fedctl site add --agent` to name them",
+    )
     workers = p.add_mutually_exclusive_group(required=True)
     workers.add_argument("--worker-url", action="append", help="an SGLang worker, repeatable")
     workers.add_argument("--emulate", action="store_true", help="launch emulated workers, one per GPU")
@@ -98,10 +105,12 @@ async def serve(args: argparse.Namespace) -> int:
 async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohttp.ClientSession) -> int:
     pool = WorkerPool(urls, session)
     await pool.check_all()
-    service = SiteAgentService(args.site, pool, session)
+    address = f"{args.host}:{args.port}"
+    credential = os.environ.get(JOIN_TOKEN_ENV, "")
+    gate = JoinGate(args.site, args.region, args.gpu, args.gpus, credential, args.scheduler or [])
+    service = SiteAgentService(args.site, pool, session, gate, args.advertise or address)
     server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
     wire.add_site_agent_to_server(service, server)
-    address = f"{args.host}:{args.port}"
     try:
         server.add_insecure_port(address)
     except RuntimeError as exc:
@@ -110,34 +119,45 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     served = _what_workers_serve(pool, args.model)
     if served is None:
         return 1
-    model, tokenizer = served
     await server.start()
+    checks = asyncio.ensure_future(pool.check_forever())
+    stop = asyncio.ensure_future(runtime.stop_event().wait())
+    runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=gate.schedulers.done())
+    if not gate.schedulers.done():
+        log.info("agent.waiting_to_join", site=args.site, agent=address)
+    await asyncio.wait([stop, gate.schedulers], return_when=asyncio.FIRST_COMPLETED)
+    reporter: ReportFeed | None = None
+    if not stop.done():
+        reporter = ReportFeed(
+            await _registration(args, pool, service.address, *served), service.next_report, credential
+        )
+        reporter.start(list(gate.schedulers.result()))
+        await asyncio.wait([stop, asyncio.ensure_future(reporter.feed_forever())], return_when=asyncio.FIRST_COMPLETED)
+    log.info("agent.stopping", site=args.site)
+    checks.cancel()
+    await asyncio.gather(checks, return_exceptions=True)
+    if reporter is not None:
+        await asyncio.to_thread(reporter.stop)
+    await server.stop(GRACE_S)
+    await service.close()
+    return 0 if stop.done() else 1
+
+
+async def _registration(
+    args: argparse.Namespace, pool: WorkerPool, address: str, model: str, tokenizer: str
+) -> wire.SiteRegistration:
+    """What the site registers with, the calibration probe run now that it joins."""
     measured = await calibrate.probe(pool)
-    registration = wire.SiteRegistration(
+    return wire.SiteRegistration(
         args.site,
         args.region,
         args.gpu,
         args.gpus,
-        args.advertise or address,
+        address,
         model,
         *((measured.batch, measured.context_tokens, measured.tok_s) if measured else (0.0, 0.0, 0.0)),
         tokenizer=tokenizer,
     )
-    reporter = ReportFeed(registration, service.next_report, os.environ.get(JOIN_TOKEN_ENV, ""))
-    reporter.start(args.scheduler)
-    feed = asyncio.ensure_future(reporter.feed_forever())
-    tasks = [asyncio.ensure_future(pool.check_forever()), feed]
-    stop = runtime.stop_event()
-    runtime.announce_ready(site=args.site, agent=address, workers=urls)
-    await asyncio.wait([asyncio.ensure_future(stop.wait()), feed], return_when=asyncio.FIRST_COMPLETED)
-    log.info("agent.stopping", site=args.site)
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await asyncio.to_thread(reporter.stop)
-    await server.stop(GRACE_S)
-    await service.close()
-    return 0 if stop.is_set() else 1
 
 
 def _what_workers_serve(pool: WorkerPool, declared_model: str) -> tuple[str, str] | None:

@@ -31,6 +31,7 @@ import grpc
 import structlog
 
 from federation import logs, runtime, wire
+from federation.credential import bearer
 
 log = structlog.get_logger("agent.reporter")
 
@@ -163,7 +164,7 @@ class Reporter:
     def __init__(self, registration: wire.SiteRegistration, snapshots: Snapshots, credential: str = "") -> None:
         self.registration = registration
         self.snapshots = snapshots
-        self.metadata = (("authorization", f"Bearer {credential}"),) if credential else ()
+        self.metadata = bearer(credential)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._calls: set[grpc.Future] = set()  # open report streams, cancelled at stop

@@ -19,6 +19,7 @@ import structlog
 from federation import wire
 from federation.work import expected_output_tokens
 from nodes.agent import sglang
+from nodes.agent.join import JoinGate
 from nodes.agent.pool import NoHealthyWorker, Worker, WorkerPool
 
 log = structlog.get_logger("agent")
@@ -63,10 +64,14 @@ class _Ledger:
 
 
 class SiteAgentService(wire.SiteAgentServicer):
-    def __init__(self, site: str, pool: WorkerPool, session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self, site: str, pool: WorkerPool, session: aiohttp.ClientSession, gate: JoinGate, address: str
+    ) -> None:
         self.site = site
         self.pool = pool
         self.session = session
+        self.gate = gate
+        self.address = address  # what the site registers: where the gateways dial it
         self.ledger = _Ledger()
         self._in_flight: dict[str, tuple[Worker, str]] = {}  # request id -> (worker, worker rid)
         self._aborts: set[asyncio.Future[None]] = set()  # keep them alive until they finish
@@ -186,6 +191,14 @@ class SiteAgentService(wire.SiteAgentServicer):
             worker, rid = entry
             await sglang.abort(self.session, worker.url, rid)
         return wire.abort_reply_to_pb(entry is not None)
+
+    async def Join(self, request, context):
+        refusal = self.gate.join(wire.join_request_from_pb(request), context)
+        if refusal is not None:
+            log.warning("agent.join_refused", site=self.site, reason=refusal[1])
+            await context.abort(*refusal)
+        log.info("agent.joined", site=self.site, schedulers=list(request.schedulers))
+        return wire.join_reply_to_pb(self.site, self.address)
 
     def next_report(self) -> wire.SiteReport:
         """The site's load now, with the calls taken since the previous one (handed over once)."""
