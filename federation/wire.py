@@ -75,6 +75,8 @@ class SiteReport:
     slots: int = 0
     context_tokens: int = 0
     received_ids: tuple[str, ...] = ()  # Generate calls taken since the previous report (see the proto)
+    prompt_tokens_total: int = 0  # of the requests the workers finished since the agent started
+    generation_tokens_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)

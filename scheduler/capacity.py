@@ -11,11 +11,16 @@ move it, every report:
   wave of arrivals would read as a slow GPU: the estimate waits). Its workers'
   decode step at that batch (running requests over tokens/s) against the step the GPU
   profile predicts for the same batch and context says how much faster or slower the
-  site is than declared; the declared capacity scaled by that ratio is the estimate. So a
+  site is than declared; the declared GPUs' modelled capacity scaled by that ratio is the estimate. So a
   site declared MI355X that runs like an MI300X loses its share before it ever queues.
 
 The estimate is kept per healthy worker, so a site that loses workers loses that share
 at once, while a slow site loses share as fast as it proves it is slow.
+
+It is kept for the reference workload the priors were measured on (MLPerf-like) and scaled,
+when asked, to the workload the federation runs now (`scheduler.workload`): the GPU model says
+what the same GPUs deliver on each, so evidence gathered on one shape of work still holds when
+the shape changes, and each step's prefill is counted when reading how fast a site decodes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 
 from federation.wire import SiteReport
 from nodes.emulator.profiles import PROFILES, GpuProfile
+from scheduler.workload import REFERENCE, Workload, WorkloadMix
 
 # Output tokens/s per GPU in MLPerf Inference 6.1 gpt-oss-120b Server runs (REFERENCE.md §3).
 PRIOR_TOK_S_PER_GPU: dict[str, float] = {"mi300x": 3108.0, "mi355x": 14155.0}
@@ -53,11 +59,20 @@ def prior_capacity_tok_s(gpu: str, gpus: int) -> float:
     return PRIOR_TOK_S_PER_GPU[gpu] * gpus
 
 
-def decode_speed_ratio(profile: GpuProfile, batch: float, context_tokens: float, tok_s: float) -> float:
+def decode_speed_ratio(
+    profile: GpuProfile, batch: float, context_tokens: float, tok_s: float, prompt_per_output: float = 0.0
+) -> float:
     """How many times faster than `profile` a GPU is that makes `tok_s` output tokens/s while
-    decoding `batch` requests holding `context_tokens` of KV (all per GPU)."""
+    decoding `batch` requests holding `context_tokens` of KV (all per GPU), each output token
+    carrying `prompt_per_output` tokens of prefill."""
     measured_step_ms = 1000.0 * batch / tok_s
-    return profile.step_ms(round(batch), round(context_tokens), 0) / measured_step_ms
+    return profile.step_ms(round(batch), round(context_tokens), round(batch * prompt_per_output)) / measured_step_ms
+
+
+def full_batch_tok_s(profile: GpuProfile, work: Workload) -> float:
+    """What one GPU of `profile` delivers on `work` with its slots full (or its KV cache)."""
+    batch = min(profile.max_running_requests, profile.kv_capacity_tokens / work.context_per_request)
+    return 1000.0 * batch / profile.mixed_step_ms(batch, work.context_per_request, work.prompt_per_output)
 
 
 def _full(report: SiteReport) -> bool:
@@ -73,23 +88,40 @@ class CapacityEstimator:
     prior_tok_s: float
     full_site_tok_s: float  # the estimate with every worker healthy
     profile: GpuProfile | None = None  # the declared GPU's step model: the shape batch evidence is read with
+    gpus: int = 0
     saturated_for_s: float = 0.0
     busy_for_s: float = 0.0
     batch_per_worker: float = 0.0  # recent average
     context_per_worker: float = 0.0
     evidence: str = "prior"  # what the estimate last moved on: prior, probe, batch, saturated, delivered
+    mix: WorkloadMix | None = None  # the federation's workload; None: the reference one
 
     @classmethod
-    def for_site(cls, gpu: str, gpus: int) -> CapacityEstimator:
+    def for_site(cls, gpu: str, gpus: int, mix: WorkloadMix | None = None) -> CapacityEstimator:
         prior = prior_capacity_tok_s(gpu, gpus)
-        return cls(prior, prior, PROFILES.get(gpu))
+        return cls(prior, prior, PROFILES.get(gpu), gpus, mix=mix)
+
+    @property
+    def declared_model_tok_s(self) -> float:
+        """The declared GPUs on the reference workload as their step model has them: what a
+        speed read through that model (probe, batch) scales."""
+        if self.profile is None or self.gpus <= 0:
+            return self.prior_tok_s
+        return self.gpus * full_batch_tok_s(self.profile, REFERENCE)
+
+    def workload_factor(self) -> float:
+        """What the site delivers on the federation's workload over what it delivers on the
+        reference one (the unit the estimate is kept in)."""
+        if self.profile is None or self.mix is None:
+            return 1.0
+        return full_batch_tok_s(self.profile, self.mix.current) / full_batch_tok_s(self.profile, REFERENCE)
 
     def calibrate(self, batch_per_worker: float, context_per_worker: float, tok_s_per_worker: float) -> None:
         """A probe's result, when the site joins: the estimate starts from it instead of the prior."""
         if self.profile is None or batch_per_worker <= 0 or tok_s_per_worker <= 0:
             return
         ratio = decode_speed_ratio(self.profile, batch_per_worker, context_per_worker, tok_s_per_worker)
-        self.full_site_tok_s = self.prior_tok_s * ratio
+        self.full_site_tok_s = self.declared_model_tok_s * ratio
         self.evidence = "probe"
 
     def observe(self, report: SiteReport, dt_s: float) -> None:
@@ -98,7 +130,7 @@ class CapacityEstimator:
         if healthy <= 0 or total <= 0 or dt_s <= 0:
             return
         per_worker_tok_s = report.gen_throughput_tok_s / healthy
-        delivered_full_site = per_worker_tok_s * total
+        delivered_full_site = per_worker_tok_s * total / self.workload_factor()  # as if on the reference workload
         follow = 1.0 - math.exp(-min(dt_s, BATCH_TIME_CONSTANT_S) / BATCH_TIME_CONSTANT_S)
         self.batch_per_worker += follow * (report.running_requests / healthy - self.batch_per_worker)
         self.context_per_worker += follow * (report.context_tokens / healthy - self.context_per_worker)
@@ -109,8 +141,11 @@ class CapacityEstimator:
         if self.saturated_for_s >= SETTLE_S:
             seen, evidence = delivered_full_site, "saturated"
         elif self.busy_for_s >= SETTLE_S and self.profile is not None and per_worker_tok_s > 0:
-            ratio = decode_speed_ratio(self.profile, self.batch_per_worker, self.context_per_worker, per_worker_tok_s)
-            seen, evidence = self.prior_tok_s * ratio, "batch"
+            prefill = self.mix.current.prompt_per_output if self.mix is not None else 0.0
+            ratio = decode_speed_ratio(
+                self.profile, self.batch_per_worker, self.context_per_worker, per_worker_tok_s, prefill
+            )
+            seen, evidence = self.declared_model_tok_s * ratio, "batch"
         elif delivered_full_site > self.full_site_tok_s:
             seen, evidence = delivered_full_site, "delivered"  # more than believed is proof, busy or not
         else:
@@ -123,10 +158,10 @@ class CapacityEstimator:
         """The GPU's prefill cost per prompt token, at the speed the site has shown."""
         if self.profile is None or self.full_site_tok_s <= 0:
             return 0.0
-        return self.profile.rho_ms / 1000.0 * self.prior_tok_s / self.full_site_tok_s
+        return self.profile.rho_ms / 1000.0 * self.declared_model_tok_s / self.full_site_tok_s
 
     def capacity_tok_s(self, healthy_workers: int, total_workers: int) -> float:
-        """What the site delivers now: a site that lost 4 of 16 workers, three quarters."""
-        if total_workers <= 0:
-            return self.full_site_tok_s
-        return self.full_site_tok_s * healthy_workers / total_workers
+        """What the site delivers now, on the federation's workload: a site that lost 4 of 16
+        workers, three quarters."""
+        full = self.full_site_tok_s * self.workload_factor()
+        return full if total_workers <= 0 else full * healthy_workers / total_workers

@@ -14,6 +14,7 @@ from federation.work import expected_output_tokens
 from scheduler.capacity import CapacityEstimator
 from scheduler.policy import SiteLoad
 from scheduler.slowstart import SlowStart
+from scheduler.workload import WorkloadMix
 
 # Routes still in transit are those the agent has not taken yet. Under an Offline burst on a
 # busy machine thousands of calls wait in the gateways' and the agent's gRPC queues, for over
@@ -58,7 +59,7 @@ class Site:
     def capacity_tok_s(self) -> float:
         """Measured (see scheduler.capacity), scaled by the workers healthy now."""
         if self.report is None:
-            return self.estimator.full_site_tok_s
+            return self.estimator.capacity_tok_s(0, 0)
         return self.estimator.capacity_tok_s(self.report.healthy_workers, self.report.total_workers)
 
 
@@ -69,6 +70,7 @@ class Registry:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.sites: dict[str, Site] = {}
         self.refused: dict[str, RefusedSite] = {}  # by site name, until that site joins
+        self.workload = WorkloadMix()  # what every site's capacity is scaled to
 
     def refuse(self, name: str, reason: str) -> RegistrationRefused:
         """Remember why `name` was refused (for `fedctl status`); the error to raise. Only the
@@ -93,7 +95,7 @@ class Registry:
                 "token counts, resumed streams and capacity would not agree",
             )
         try:
-            estimator = CapacityEstimator.for_site(reg.gpu, reg.gpus)
+            estimator = CapacityEstimator.for_site(reg.gpu, reg.gpus, self.workload)
             estimator.calibrate(reg.probe_batch, reg.probe_context_tokens, reg.probe_tok_s)
         except KeyError:
             raise self.refuse(reg.name, f"unknown GPU {reg.gpu!r}: use mi300x or mi355x") from None
@@ -115,6 +117,7 @@ class Registry:
 
     def apply_report(self, report: SiteReport, now: float) -> None:
         site = self.get(report.site)
+        self.workload.observe(report, now)
         if site.last_report_at:
             site.estimator.observe(report, now - site.last_report_at)
         site.report = report
@@ -154,6 +157,7 @@ class Registry:
     def remove(self, name: str) -> Site:
         site = self.get(name)
         del self.sites[name]
+        self.workload.forget(name)
         site.status = SiteStatus.DOWN
         return site
 

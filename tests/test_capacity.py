@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from federation.wire import SiteReport
 from nodes.emulator.profiles import PROFILES
-from scheduler.capacity import CapacityEstimator, prior_capacity_tok_s
+from scheduler.capacity import CapacityEstimator, full_batch_tok_s, prior_capacity_tok_s
+from scheduler.workload import REFERENCE, Workload, WorkloadMix
 
 REPORT_S = 0.25
 
@@ -118,3 +119,48 @@ def test_a_probe_sets_the_starting_point() -> None:
     est.calibrate(32, context, 1000.0 * 32 / PROFILES["mi300x"].step_ms(32, context, 0))
     assert est.evidence == "probe"
     assert est.capacity_tok_s(16, 16) < 0.4 * est.prior_tok_s
+
+
+# 1,000-token prompts, 200-token answers: a running request holds ~1,100 tokens on average.
+SHORT_ANSWERS = Workload(prompt_per_output=5.0, context_per_request=1100.0)
+
+
+def _steady_mi355x_site(est: CapacityEstimator, mix: WorkloadMix, work: Workload, seconds: float) -> None:
+    """Reports from 16 MI355X with every slot decoding `work` at the GPU model's pace, the
+    requests they finish counted as SGLang counts them, seen by the mix and the estimator."""
+    profile, batch = PROFILES["mi355x"], PROFILES["mi355x"].max_running_requests
+    tok_s = 16 * full_batch_tok_s(profile, work)
+    for i in range(round(seconds / REPORT_S)):
+        done = tok_s * REPORT_S * i
+        report = SiteReport(
+            "s", healthy_workers=16, total_workers=16, running_requests=16 * batch,
+            context_tokens=round(16 * batch * work.context_per_request), gen_throughput_tok_s=tok_s,
+            slots=16 * batch, prompt_tokens_total=round(done * work.prompt_per_output), generation_tokens_total=round(done),
+        )  # fmt: skip
+        mix.observe(report, i * REPORT_S)
+        est.observe(report, REPORT_S)
+
+
+def test_the_workload_mix_is_learned_from_finished_requests() -> None:
+    """Until enough has finished, the MLPerf-like reference shape; then the prompt tokens per
+    output token and the context per running request the sites report."""
+    mix = WorkloadMix()
+    assert mix.current == REFERENCE
+    _steady_mi355x_site(CapacityEstimator.for_site("mi355x", 16, mix), mix, SHORT_ANSWERS, 30)
+    assert abs(mix.current.prompt_per_output / 5.0 - 1) < 0.01
+    assert abs(mix.current.context_per_request / 1100.0 - 1) < 0.01
+
+
+def test_capacity_follows_the_shape_of_the_work() -> None:
+    """An MI355X site decoding short answers to long prompts at its declared pace: each step also
+    prefills the requests replacing those finishing, so it delivers ~40 % less than on MLPerf-like
+    work. Its capacity says so, and the batch evidence, counting that prefill, does not read it
+    as a slow GPU: the estimate in reference units stays at what the declared GPUs' model gives."""
+    mix = WorkloadMix()
+    est = CapacityEstimator.for_site("mi355x", 16, mix)
+    _steady_mi355x_site(est, mix, SHORT_ANSWERS, 30)
+    delivers = 16 * full_batch_tok_s(PROFILES["mi355x"], SHORT_ANSWERS)
+    assert est.evidence == "batch"
+    assert abs(est.capacity_tok_s(16, 16) / delivers - 1) < 0.03
+    assert delivers < 0.7 * 16 * full_batch_tok_s(PROFILES["mi355x"], REFERENCE)
+    assert abs(est.full_site_tok_s / est.declared_model_tok_s - 1) < 0.03

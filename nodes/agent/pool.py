@@ -65,6 +65,9 @@ class WorkerPool:
         self.workers = [Worker(url) for url in urls]
         self.session = session
         self._waiters: collections.deque[asyncio.Future[Worker]] = collections.deque()
+        # Prompt and output tokens of the requests the workers finished, since the agent started.
+        self.finished_prompt_tokens = 0.0
+        self.finished_output_tokens = 0.0
 
     @property
     def healthy_count(self) -> int:
@@ -143,6 +146,7 @@ class WorkerPool:
             sglang.scrape(self.session, worker.url, HEALTH_TIMEOUT_S),
         )
         if stats is not None:
+            self._count_finished(worker.stats, stats)
             worker.stats = stats
         if health is sglang.Health.SLOW and stats is not None and stats.running_requests + stats.queued_requests:
             return  # saturated, not sick: its metrics answer and it has work (decoding, or prefilling)
@@ -157,8 +161,19 @@ class WorkerPool:
             worker.healthy = False
             log.warning("worker.unhealthy", worker=worker.url, failures=worker.failures)
 
+    def _count_finished(self, before: sglang.WorkerStats | None, now: sglang.WorkerStats) -> None:
+        """Add what the worker finished since its last scrape to the site's totals."""
+        if before is not None:
+            self.finished_prompt_tokens += _increase(before.prompt_tokens_total, now.prompt_tokens_total)
+            self.finished_output_tokens += _increase(before.generation_tokens_total, now.generation_tokens_total)
+
     def mark_failed(self, worker: Worker) -> None:
         """A request saw the worker break: stop sending it work until a check passes."""
         if worker.healthy:
             worker.healthy = False
             log.warning("worker.unhealthy", worker=worker.url, reason="request failed")
+
+
+def _increase(before: float, now: float) -> float:
+    """A counter's increase between two reads; one lower than before restarted from 0."""
+    return now if now < before else now - before

@@ -217,4 +217,6 @@ class SiteAgentService(wire.SiteAgentServicer):
             slots=self.pool.slots,
             context_tokens=sum(s.used_tokens for s in stats),
             received_ids=tuple(received),
+            prompt_tokens_total=round(self.pool.finished_prompt_tokens),
+            generation_tokens_total=round(self.pool.finished_output_tokens),
         )

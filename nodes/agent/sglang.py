@@ -49,6 +49,9 @@ class WorkerStats:
     token_usage: float
     gen_throughput_tok_s: float
     used_tokens: int  # KV tokens held by the running requests: the context the GPU reads each step
+    # Counted as requests finish: their ratio is the workload's prompt tokens per output token.
+    prompt_tokens_total: float = 0.0
+    generation_tokens_total: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,15 +206,21 @@ GAUGES_READ = (
     "sglang:gen_throughput",
     "sglang:num_used_tokens",
 )
-# Their sample lines ("name{labels} value", "name value") and their TYPE lines.
-_GAUGE_LINE_STARTS = tuple(f"{prefix}{name}{end}" for prefix in ("", "# TYPE ") for name in GAUGES_READ for end in "{ ")
+COUNTERS_READ = ("sglang:prompt_tokens", "sglang:generation_tokens")
+# Their sample lines ("name{labels} value", "name value"; a counter's name ends in _total) and
+# their TYPE lines.
+_LINE_STARTS = (
+    *(f"{prefix}{name}{end}" for prefix in ("", "# TYPE ") for name in GAUGES_READ for end in "{ "),
+    *(f"{name}_total{end}" for name in COUNTERS_READ for end in "{ "),
+    *(f"# TYPE {name}{end}" for name in COUNTERS_READ for end in (" ", "_total ")),
+)
 
 
-def _gauge_lines(text: str) -> str:
-    """Only the lines of the gauges read, with their TYPE lines. A worker's /metrics is ~25 KB,
+def _lines_read(text: str) -> str:
+    """Only the lines of the metrics read, with their TYPE lines. A worker's /metrics is ~25 KB,
     mostly histograms; parsing all of it for 16 workers every second took a tenth of the
     agent's loop under load (py-spy), time the streams it relays were waiting for."""
-    return "\n".join(line for line in text.splitlines() if line.startswith(_GAUGE_LINE_STARTS))
+    return "\n".join(line for line in text.splitlines() if line.startswith(_LINE_STARTS))
 
 
 async def scrape(session: aiohttp.ClientSession, url: str, timeout_s: float) -> WorkerStats | None:
@@ -220,13 +229,15 @@ async def scrape(session: aiohttp.ClientSession, url: str, timeout_s: float) -> 
     if body is None:
         return None
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(_gauge_lines(body.decode())):
-        if family.type == "gauge":
-            values[family.name] = sum(s.value for s in family.samples)
+    for family in text_string_to_metric_families(_lines_read(body.decode())):
+        if family.type in ("gauge", "counter"):
+            values[family.name] = sum(s.value for s in family.samples if not s.name.endswith("_created"))
     return WorkerStats(
         running_requests=int(values.get("sglang:num_running_reqs", 0)),
         queued_requests=int(values.get("sglang:num_queue_reqs", 0)),
         token_usage=values.get("sglang:token_usage", 0.0),
         gen_throughput_tok_s=values.get("sglang:gen_throughput", 0.0),
         used_tokens=int(values.get("sglang:num_used_tokens", 0)),
+        prompt_tokens_total=values.get("sglang:prompt_tokens", 0.0),
+        generation_tokens_total=values.get("sglang:generation_tokens", 0.0),
     )

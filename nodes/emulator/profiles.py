@@ -48,10 +48,19 @@ class GpuProfile:
         mean context is `prompt + E[out²]/(2·E[out])` (pass `output_tokens_sq` = E[out²]).
         """
         out_sq = output_tokens**2 if output_tokens_sq is None else output_tokens_sq
-        context = batch * (prompt_tokens + out_sq / (2.0 * output_tokens))
-        prefill = batch * prompt_tokens / output_tokens
-        step = self.step_ms(batch, round(context), 0) + self.rho_ms * prefill
+        step = self.mixed_step_ms(batch, prompt_tokens + out_sq / (2.0 * output_tokens), prompt_tokens / output_tokens)
         return batch * 1000.0 / step, step
+
+    def mixed_step_ms(self, batch: float, context_per_request: float, prompt_per_output: float) -> float:
+        """A step of the steady state: `batch` requests decoding, each holding `context_per_request`
+        of KV, and the prefill of the requests that replace those finishing (each output token's
+        share of a prompt is `prompt_per_output` tokens)."""
+        return (
+            self.a_ms
+            + self.b_ms * batch
+            + self.kappa_ms * batch * context_per_request / 1000.0
+            + self.rho_ms * batch * prompt_per_output
+        )
 
 
 PROFILES: dict[str, GpuProfile] = {
