@@ -14,8 +14,9 @@ capacity delivered before it (a crashed site's share gone, a browned-out site's 
 after the fault; `share_converge_s`: seconds until its share of the tokens is within 10 % of
 that, held for 3 s. `capacity_converge_s` (brownout, worker loss): seconds until the site's
 measured capacity is within 10 % of its true one (what it measured before, ÷ the slowdown or
-× 12/16). Times are wall seconds (the control plane is not slowed by `--speed`); rates,
-capacities and TTFT are GPU time, as `fedctl bench` reports them.
+× 12/16). Times are wall seconds (the control plane is not slowed by `--speed`), but for
+add-site's `converge_s` (see `_joined`); rates, capacities and TTFT are GPU time, as `fedctl
+bench` reports them.
 """
 
 from __future__ import annotations
@@ -262,23 +263,33 @@ def _drill(target: Target, args: argparse.Namespace, site: str, samples) -> dict
     seen_at = fault_at + (detection_s or 0.0) + ROUTE_IN_TRANSIT_S
     report["routed_to_site_after_fault"] = sum(1 for r in results if r.site == site and r.started > seen_at)
     if args.scenario == "add-site":
-        report.update(_joined(report))
+        report.update(_joined(report, line, args))
     if args.png:
         timeline.plot(line, f"fedctl drill {args.scenario} ({site})", args.png)
         report["png"] = str(args.png)
     return report
 
 
-def _joined(report: dict[str, Any]) -> dict[str, Any]:
-    """add-site's own keys. Each site's standalone capacity is what the schedulers measure it to
-    deliver once every site is loaded past its slots (a saturated site delivers exactly that), so
-    the ratio falls below 1 only where routing leaves a site short of work."""
-    standalone = report["capacity_after"]
+def _joined(report: dict[str, Any], line: timeline.Timeline, args: argparse.Namespace) -> dict[str, Any]:
+    """add-site's own keys. `converge_s` is GPU seconds, as `fedctl bench` reports times: how long
+    the new site takes to fill is set by how fast requests finish elsewhere and how long its
+    first batches take to prefill, which the emulated GPUs stretch by 1/speed in wall time (the
+    wall seconds are beside it). Each site's standalone capacity is what the schedulers measure
+    it to deliver on this workload (a site loaded past its slots delivers exactly that), and the
+    ratio compares the throughput once the new site's share has settled with their sum, over
+    the same seconds: below 1 only where routing leaves a site short of work."""
+    settled_wall_s = report["share_converge_s"]
+    start_s = settled_wall_s if settled_wall_s is not None else min(DURING_S, args.after_s / 2)
+    end_s = args.after_s - 1.0
+    standalone = {k: round(v, 1) for k, v in line.capacity_means(start_s, end_s).items()}
     total = sum(standalone.values())
+    settled = line.rate(start_s, end_s)
     return {
         "standalone": standalone,
-        "throughput_ratio": round(report["output_tokens_per_s_after"] / total, 4) if total else None,
-        "converge_s": report["share_converge_s"],
+        "output_tokens_per_s_settled": round(settled, 1),
+        "throughput_ratio": round(settled / total, 4) if total else None,
+        "converge_s": round(settled_wall_s * args.speed, 2) if settled_wall_s is not None else None,
+        "converge_wall_s": settled_wall_s,
     }
 
 
