@@ -120,7 +120,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     if served is None:
         return 1
     await server.start()
-    checks = asyncio.ensure_future(pool.check_forever())
+    tasks = [asyncio.ensure_future(pool.check_forever())]
     stop = asyncio.ensure_future(runtime.stop_event().wait())
     runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=gate.schedulers.done())
     if not gate.schedulers.done():
@@ -132,15 +132,18 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
             await _registration(args, pool, service.address, *served), service.next_report, credential
         )
         reporter.start(list(gate.schedulers.result()))
-        await asyncio.wait([stop, asyncio.ensure_future(reporter.feed_forever())], return_when=asyncio.FIRST_COMPLETED)
+        tasks.append(asyncio.ensure_future(reporter.feed_forever()))
+        await asyncio.wait([stop, tasks[-1]], return_when=asyncio.FIRST_COMPLETED)
     log.info("agent.stopping", site=args.site)
-    checks.cancel()
-    await asyncio.gather(checks, return_exceptions=True)
+    stopped = stop.done()  # else the reporter died
+    for task in (*tasks, stop):
+        task.cancel()
+    await asyncio.gather(*tasks, stop, return_exceptions=True)
     if reporter is not None:
         await asyncio.to_thread(reporter.stop)
     await server.stop(GRACE_S)
     await service.close()
-    return 0 if stop.done() else 1
+    return 0 if stopped else 1
 
 
 async def _registration(
