@@ -124,56 +124,56 @@ def run_sustained(
     """Keep `open_requests` samples open (cycling through `samples`) until the window ends,
     then let the open ones finish, or with `cut_at_end` stop reading: they are `cut` with the
     tokens they had delivered (an endpoint that says its tokens only at the end has its begun
-    answers read to the end). Returns every result and the window (time.monotonic(), shared by every client process)."""
+    answers read to the end). Returns every result and the window (time.monotonic(), shared by
+    every client process)."""
     start = time.monotonic() + START_DELAY_S + sustain.warmup_s / speed
     window = (start, start + sustain.window_s / speed)
     parts = max(1, math.ceil(open_requests / PER_PROCESS_IN_FLIGHT))
     lanes = math.ceil(open_requests / parts)
-    ramp_s = sustain.ramp_s / speed
     cut_at = window[1] if sustain.cut_at_end else None
-    jobs = [(endpoint, samples[i::parts], lanes, window[1], cut_at, ramp_s, label, i) for i in range(parts)]
+    clients = [
+        _Client(endpoint, samples[i::parts], lanes, window[1], cut_at, sustain.ramp_s / speed, label, i)
+        for i in range(parts)
+    ]
     if parts == 1:
-        return _sustain_in_process(*jobs[0]), window
+        return _sustain_in_process(clients[0]), window
     with multiprocessing.get_context("spawn").Pool(parts) as pool:
-        return [r for part in pool.starmap(_sustain_in_process, jobs) for r in part], window
+        return [r for part in pool.map(_sustain_in_process, clients) for r in part], window
 
 
-def _sustain_in_process(
-    endpoint: str,
-    samples: Sequence[Sample],
-    lanes: int,
-    stop_at: float,
-    cut_at: float | None,
-    ramp_s: float,
-    label: str,
-    part: int,
-):
-    return asyncio.run(_sustain(endpoint, samples, lanes, stop_at, cut_at, ramp_s, label, part))
+@dataclass(frozen=True, slots=True)
+class _Client:
+    """One client process of a sustained run: `lanes` requests open, each replaced as it ends
+    until `stop_at`; read until `cut_at` (None: to their ends)."""
+
+    endpoint: str
+    samples: Sequence[Sample]
+    lanes: int
+    stop_at: float
+    cut_at: float | None
+    ramp_s: float
+    label: str
+    part: int
 
 
-async def _sustain(
-    endpoint: str,
-    samples: Sequence[Sample],
-    lanes: int,
-    stop_at: float,
-    cut_at: float | None,
-    ramp_s: float,
-    label: str,
-    part: int,
-) -> list[Result]:
-    feed = itertools.cycle(samples)
+def _sustain_in_process(client: _Client) -> list[Result]:
+    return asyncio.run(_sustain(client))
+
+
+async def _sustain(c: _Client) -> list[Result]:
+    feed = itertools.cycle(c.samples)
     results: list[Result] = []
-    async with session(endpoint, part) as http:
-        model = await served_model(http, endpoint)
-        with tqdm(desc=f"{label} [{part}]", unit="req", position=part, mininterval=2.0) as bar:
+    async with session(c.endpoint, c.part) as http:
+        model = await served_model(http, c.endpoint)
+        with tqdm(desc=f"{c.label} [{c.part}]", unit="req", position=c.part, mininterval=2.0) as bar:
 
             async def lane(k: int) -> None:
-                await asyncio.sleep(ramp_s * k / lanes)
-                while time.monotonic() < stop_at:
-                    results.append(await send(http, endpoint, model, next(feed), stop_at=cut_at))
+                await asyncio.sleep(c.ramp_s * k / c.lanes)
+                while time.monotonic() < c.stop_at:
+                    results.append(await send(http, c.endpoint, model, next(feed), stop_at=c.cut_at))
                     bar.update()
 
-            await asyncio.gather(*(lane(k) for k in range(lanes)))
+            await asyncio.gather(*(lane(k) for k in range(c.lanes)))
     return results
 
 
