@@ -8,11 +8,12 @@ move it, every report:
   A queue beside free room is only requests waiting for the next step to admit them.
 - A site with room to spare and nothing waiting still shows how fast it runs the batch it
   has (with prompts waiting or being prefilled, its steps also carry their prefill, and a
-  wave of arrivals would read as a slow GPU: the estimate waits). Its workers'
-  decode step at that batch (running requests over tokens/s) against the step the GPU
-  profile predicts for the same batch and context says how much faster or slower the
-  site is than declared; the declared GPUs' modelled capacity scaled by that ratio is the estimate. So a
-  site declared MI355X that runs like an MI300X loses its share before it ever queues.
+  wave of arrivals would read as a slow GPU: the estimate waits). Its workers' step at
+  that batch (running requests over tokens/s) against the step the GPU profile predicts
+  for the same batch, context and share of prefill says how much faster or slower the site
+  is than declared; what the declared GPUs' model delivers, scaled by that ratio, is the
+  estimate. So a site declared MI355X that runs like an MI300X loses its share before it
+  ever queues.
 
 The estimate is kept per healthy worker, so a site that loses workers loses that share
 at once, while a slow site loses share as fast as it proves it is slow.
