@@ -122,8 +122,9 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     await server.start()
     tasks = [asyncio.ensure_future(pool.check_forever())]
     stop = asyncio.ensure_future(runtime.stop_event().wait())
-    runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=gate.schedulers.done())
-    if not gate.schedulers.done():
+    waits = not gate.schedulers.done()
+    if waits:  # ready to be joined: serving, not yet probed or reporting
+        runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=False)
         log.info("agent.waiting_to_join", site=args.site, agent=address)
     await asyncio.wait([stop, gate.schedulers], return_when=asyncio.FIRST_COMPLETED)
     reporter: ReportFeed | None = None
@@ -132,6 +133,8 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
             await _registration(args, pool, service.address, *served), service.next_report, credential
         )
         reporter.start(list(gate.schedulers.result()))
+        if not waits:  # ready once probed and reporting, as it was started to be
+            runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=True)
         tasks.append(asyncio.ensure_future(reporter.feed_forever()))
         await asyncio.wait([stop, tasks[-1]], return_when=asyncio.FIRST_COMPLETED)
     log.info("agent.stopping", site=args.site)
