@@ -16,6 +16,7 @@ from federation.admin import fetch_state
 from federation.config import load
 from federation.embedded import Federation
 from federation.processes import PROJECT_ROOT
+from federation.wire import SiteStatus
 from tests.test_failover import SITES
 from tests.test_federation import MODEL, _config
 
@@ -48,6 +49,15 @@ async def _stream(http: aiohttp.ClientSession, url: str, max_tokens: int) -> tup
     return site, tokens
 
 
+async def _until_draining_everywhere(fed: Federation, site: str) -> None:
+    """Until every scheduler replica has the site draining (the command is a process starting)."""
+    while True:
+        states = [await asyncio.to_thread(fetch_state, a) for a in fed.config.scheduler_addresses]
+        if all(s.status is SiteStatus.DRAINING for state in states for s in state.sites if s.name == site):
+            return
+        await asyncio.sleep(0.1)
+
+
 @pytest.mark.timeout(150)
 async def test_drain_undrain_remove(tmp_path: Path) -> None:
     """Six answers in flight at Korea; `fedctl site drain kr-mi300x` waits for them, new Korean
@@ -62,7 +72,7 @@ async def test_drain_undrain_remove(tmp_path: Path) -> None:
             in_flight = [asyncio.create_task(_stream(http, url, 150)) for _ in range(6)]
             await asyncio.sleep(1.0)
             drain = _fedctl(path, "site", "drain", "kr-mi300x")
-            await asyncio.sleep(1.0)
+            await _until_draining_everywhere(fed, "kr-mi300x")
             during = await asyncio.gather(*(_stream(http, url, 4) for _ in range(4)))
             assert {site for site, _ in during} == {"us-mi355x"}
             finished = await asyncio.gather(*in_flight)
