@@ -29,7 +29,7 @@ class GpuProfile:
     max_running_requests: int
     chunked_prefill_tokens: int = 16384  # SGLang's --chunked-prefill-size on GPUs with >= 160 GB
 
-    def step_ms(self, batch: int, context_tokens: int, prefill_tokens: int) -> float:
+    def step_ms(self, batch: float, context_tokens: float, prefill_tokens: float) -> float:
         """Duration of one step: `a + b·B + κ·ΣL/1000 + ρ·n_prefill` in milliseconds."""
         return self.a_ms + self.b_ms * batch + self.kappa_ms * context_tokens / 1000.0 + self.rho_ms * prefill_tokens
 
@@ -55,12 +55,7 @@ class GpuProfile:
         """A step of the steady state: `batch` requests decoding, each holding `context_per_request`
         of KV, and the prefill of the requests that replace those finishing (each output token's
         share of a prompt is `prompt_per_output` tokens)."""
-        return (
-            self.a_ms
-            + self.b_ms * batch
-            + self.kappa_ms * batch * context_per_request / 1000.0
-            + self.rho_ms * batch * prompt_per_output
-        )
+        return self.step_ms(batch, batch * context_per_request, batch * prompt_per_output)
 
 
 PROFILES: dict[str, GpuProfile] = {
