@@ -279,8 +279,8 @@ def _joined(report: dict[str, Any], line: timeline.Timeline, args: argparse.Name
     ratio compares the throughput once the new site's share has settled with their sum, over
     the same seconds: below 1 only where routing leaves a site short of work."""
     settled_wall_s = report["share_converge_s"]
-    start_s = settled_wall_s if settled_wall_s is not None else min(DURING_S, args.after_s / 2)
-    end_s = args.after_s - 1.0
+    after_start_s, end_s = _after(args, None)
+    start_s = settled_wall_s if settled_wall_s is not None else after_start_s
     standalone = {k: round(v, 1) for k, v in line.capacity_means(start_s, end_s).items()}
     total = sum(standalone.values())
     settled = line.rate(start_s, end_s)
@@ -291,6 +291,19 @@ def _joined(report: dict[str, Any], line: timeline.Timeline, args: argparse.Name
         "converge_s": round(settled_wall_s * args.speed, 2) if settled_wall_s is not None else None,
         "converge_wall_s": settled_wall_s,
     }
+
+
+def _during_s(args: argparse.Namespace, healed_s: float | None) -> float:
+    """ "During": the fault's first seconds, or until its second act (a partition healed, the
+    last scheduler killed)."""
+    return min(DURING_S, args.after_s / 2) if healed_s is None else healed_s
+
+
+def _after(args: argparse.Namespace, healed_s: float | None) -> tuple[float, float]:
+    """ "After": from the end of "during" (a few seconds on, after a heal) to the end of the load,
+    whose last second is not "after" (the load stops)."""
+    start_s = _during_s(args, None) if healed_s is None else healed_s + SETTLE_S
+    return start_s, args.after_s - 1.0
 
 
 def _report(
@@ -306,11 +319,7 @@ def _report(
 ) -> dict[str, Any]:
     failed = [r for r in results if not r.ok]
     lost = [r for r in failed if not (r.error or "").startswith("HTTP ")]  # accepted (200), never completed
-    # "During": the fault's first seconds, or until its second act (a partition healed, the
-    # last scheduler killed); "after": from then (a few seconds on) to the end of the load.
-    during_s = min(DURING_S, args.after_s / 2) if healed_s is None else healed_s
-    after_start_s = during_s if healed_s is None else healed_s + SETTLE_S
-    after_end_s = args.after_s - 1.0  # the load stops at the end: its last second is not "after"
+    during_s, (after_start_s, after_end_s) = _during_s(args, healed_s), _after(args, healed_s)
     rate_before = line.rate(-args.before_s, 0.0)
     per_site_before = line.site_rates(-args.before_s, 0.0)
     surviving = fault.surviving(per_site_before)
