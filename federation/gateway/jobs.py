@@ -130,8 +130,9 @@ def _max_tokens(body: dict[str, Any], prompt_tokens: int, context_tokens: int, *
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
-    """stream, include_usage, continuous_usage_stats (vLLM's and SGLang's chat option: the tokens
-    so far on every chunk, so a client that stops reading knows what it received)."""
+    """stream, include_usage, continuous_usage_stats (SGLang's and vLLM's option, for chat and
+    completions alike: the tokens so far on every chunk, so a client that stops reading knows
+    what it received)."""
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("`stream` must be true or false", param="stream")
