@@ -91,8 +91,10 @@ def test_sustained_offline_measures_a_window(tmp_path: Path) -> None:
     assert report["sustained"] == {"warmup_s": 10.0, "window_s": 20.0}
     assert report["duration_s"] == 20.0
     assert report["requests"] > 12 and report["requests_failed"] == 0, report["errors"]
-    assert report["requests_cut"] == 8 and report["output_tokens"] > 0
+    # The 8 open at the end are cut; an answer whose last chunk the client reads in the same
+    # instant as the window ends is answered instead (a CI run saw one): allow one per run.
+    assert 7 <= report["requests_cut"] <= 8 and report["output_tokens"] > 0
     assert report["output_tokens_per_s"] == pytest.approx(report["output_tokens"] / 20.0, rel=1e-3)
     assert all(run["sustained"]["window_s"] == 20.0 for run in report["standalone_runs"].values())
-    assert sum(run["requests_cut"] for run in report["standalone_runs"].values()) == 8  # the 8 shared out
+    assert 6 <= sum(run["requests_cut"] for run in report["standalone_runs"].values()) <= 8  # the 8 shared out
     assert report["federation_efficiency"] > 0
