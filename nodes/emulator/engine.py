@@ -197,10 +197,13 @@ class Engine:
         seg = self._segment
         return self.steps + (seg.completed(now) if seg is not None else 0)
 
+    def steps_done(self) -> int:
+        """Forward steps this GPU has completed so far (each decodes every running sequence)."""
+        return self.steps_at(self._loop.time())
+
     def emitted_tokens_total(self) -> int:
         """All output tokens this GPU has produced so far."""
-        steps = self.steps_at(self._loop.time())
-        return self._emitted + len(self.running) * steps - self._join_sum
+        return self._emitted + len(self.running) * self.steps_done() - self._join_sum
 
     @property
     def running_count(self) -> int:

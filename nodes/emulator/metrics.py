@@ -116,7 +116,7 @@ QUEUE_BUCKETS_S = (
     2500,
     3000,
 )
-THROUGHPUT_WINDOW_S = 5.0  # gen_throughput averages over this much recent time
+DECODE_LOG_INTERVAL = 40  # SGLang's --decode-log-interval: gen_throughput is renewed after this many steps
 
 
 class _Histogram:
@@ -164,9 +164,9 @@ class WorkerMetrics:
         self.itl = _Histogram(ITL_BUCKETS_S)
         self.queue = _Histogram(QUEUE_BUCKETS_S)
         self.aborted_requests = 0
-        # (when, tokens emitted): from the worker's start, so that scrapes a millisecond apart
-        # (less than one step) still average over real time instead of reading 0.
-        self._throughput_marks: list[tuple[float, int]] = [(time.monotonic(), 0)]
+        # (when, steps, tokens emitted) at the last renewal of gen_throughput, and its value.
+        self._throughput_mark: tuple[float, int, int] = (time.monotonic(), 0, 0)
+        self._gen_throughput = 0.0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
 
@@ -194,15 +194,19 @@ class WorkerMetrics:
         self.aborted_requests += 1
 
     def gen_throughput(self) -> float:
-        """Output tokens/s over the last few seconds, as SGLang's scheduler logs it."""
-        assert self.engine is not None
-        now, total = time.monotonic(), self.engine.emitted_tokens_total()
-        marks = self._throughput_marks
-        marks.append((now, total))
-        while len(marks) > 2 and now - marks[1][0] >= THROUGHPUT_WINDOW_S:
-            marks.pop(0)
-        t0, n0 = marks[0]
-        return (total - n0) / (now - t0) if now > t0 else 0.0
+        """Output tokens/s as SGLang's scheduler sets it: renewed once every DECODE_LOG_INTERVAL
+        steps, over the time since the previous renewal (idle time included), and held in between.
+        Here it is renewed by the first read after the interval's last step: over at least that
+        many steps, tokens and time both counted up to the read."""
+        engine = self.engine
+        assert engine is not None
+        now = time.monotonic()
+        steps, (t0, steps0, n0) = engine.steps_done(), self._throughput_mark
+        if steps - steps0 >= DECODE_LOG_INTERVAL and now > t0:
+            total = engine.emitted_tokens_total()
+            self._gen_throughput = (total - n0) / (now - t0)
+            self._throughput_mark = (now, steps, total)
+        return self._gen_throughput
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
