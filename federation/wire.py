@@ -77,6 +77,7 @@ class SiteReport:
     received_ids: tuple[str, ...] = ()  # Generate calls taken since the previous report (see the proto)
     prompt_tokens_total: int = 0  # of the requests the workers finished since the agent started
     generation_tokens_total: int = 0
+    delivered_tok_s: float = 0.0  # output tokens/s the agent relayed, over recent seconds
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,7 +66,7 @@ class Registered(_message.Message):
     def __init__(self, site: _Optional[str] = ..., prior_capacity_tok_s: _Optional[float] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
 
 class SiteReport(_message.Message):
-    __slots__ = ("site", "healthy_workers", "total_workers", "running_requests", "queued_requests", "kv_usage", "gen_throughput_tok_s", "outstanding_requests", "outstanding_tokens", "slots", "context_tokens", "received_ids", "prompt_tokens_total", "generation_tokens_total")
+    __slots__ = ("site", "healthy_workers", "total_workers", "running_requests", "queued_requests", "kv_usage", "gen_throughput_tok_s", "outstanding_requests", "outstanding_tokens", "slots", "context_tokens", "received_ids", "prompt_tokens_total", "generation_tokens_total", "delivered_tok_s")
     SITE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_WORKERS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class SiteReport(_message.Message):
     RECEIVED_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_TOK_S_FIELD_NUMBER: _ClassVar[int]
     site: str
     healthy_workers: int
     total_workers: int
@@ -95,7 +96,8 @@ class SiteReport(_message.Message):
     received_ids: _containers.RepeatedScalarFieldContainer[str]
     prompt_tokens_total: int
     generation_tokens_total: int
-    def __init__(self, site: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., slots: _Optional[int] = ..., context_tokens: _Optional[int] = ..., received_ids: _Optional[_Iterable[str]] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ...) -> None: ...
+    delivered_tok_s: float
+    def __init__(self, site: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., slots: _Optional[int] = ..., context_tokens: _Optional[int] = ..., received_ids: _Optional[_Iterable[str]] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., delivered_tok_s: _Optional[float] = ...) -> None: ...
 
 class SchedulerCommand(_message.Message):
     __slots__ = ("command", "reason")

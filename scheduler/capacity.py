@@ -39,10 +39,11 @@ PRIOR_TOK_S_PER_GPU: dict[str, float] = {"mi300x": 3108.0, "mi355x": 14155.0}
 # the 30 s a mis-declared site may keep a wrong share.
 TIME_CONSTANT_S = 5.0
 MAX_STEP_S = 2.0  # a long gap between reports must not count as a long observation
-# SGLang's gen_throughput averages over recent seconds: only once a site has been busy for
-# that long does the rate it shows belong to the batch it runs rather than the time before.
+# The delivered rate is averaged over the agent's last 5 s (nodes.agent.delivered): only once a
+# site has been busy for that long does the rate it shows belong to the batch it runs rather
+# than the time before.
 SETTLE_S = 5.0
-# The batch is averaged over about the same recent window as gen_throughput (a 5 s boxcar
+# The batch is averaged over about the same recent window as the delivered rate (a 5 s boxcar
 # lags by 2.5 s on average), so the two describe the same seconds.
 BATCH_TIME_CONSTANT_S = 2.5
 # Below this many requests per worker the step is mostly fixed cost and launch jitter: too
@@ -130,7 +131,7 @@ class CapacityEstimator:
         healthy, total = report.healthy_workers, report.total_workers
         if healthy <= 0 or total <= 0 or dt_s <= 0:
             return
-        per_worker_tok_s = report.gen_throughput_tok_s / healthy
+        per_worker_tok_s = report.delivered_tok_s / healthy
         delivered_full_site = per_worker_tok_s * total / self.workload_factor()  # as if on the reference workload
         follow = 1.0 - math.exp(-min(dt_s, BATCH_TIME_CONSTANT_S) / BATCH_TIME_CONSTANT_S)
         self.batch_per_worker += follow * (report.running_requests / healthy - self.batch_per_worker)

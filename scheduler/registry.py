@@ -122,7 +122,7 @@ class Registry:
             site.estimator.observe(report, now - site.last_report_at)
         site.report = report
         site.last_report_at = now
-        site.slow_start.observe(report.running_requests, report.gen_throughput_tok_s, site.capacity_tok_s, report.slots)
+        site.slow_start.observe(report.running_requests, report.delivered_tok_s, site.capacity_tok_s, report.slots)
         for request_id in report.received_ids:
             site.in_transit.pop(request_id, None)
         while site.in_transit and next(iter(site.in_transit.values()))[0] < now - IN_TRANSIT_LIMIT_S:

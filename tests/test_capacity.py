@@ -20,7 +20,7 @@ def test_a_saturated_site_that_is_slower_than_declared_loses_share_within_30_s()
     estimate is within 5 % of what it delivers."""
     declared, real = prior_capacity_tok_s("mi355x", 16), prior_capacity_tok_s("mi300x", 16)
     est = CapacityEstimator(declared, declared)
-    _run(est, 30, healthy_workers=16, total_workers=16, queued_requests=40, gen_throughput_tok_s=real)
+    _run(est, 30, healthy_workers=16, total_workers=16, queued_requests=40, delivered_tok_s=real)
     assert abs(est.capacity_tok_s(16, 16) / real - 1) < 0.05
 
 
@@ -28,9 +28,9 @@ def test_idle_sites_keep_their_estimate_and_busy_ones_raise_it() -> None:
     """A site with room to spare delivering little proves nothing (the estimate stays); one that
     delivers more than believed raises it, saturated or not."""
     est = CapacityEstimator(100_000, 100_000)
-    _run(est, 60, healthy_workers=16, total_workers=16, queued_requests=0, gen_throughput_tok_s=10_000)
+    _run(est, 60, healthy_workers=16, total_workers=16, queued_requests=0, delivered_tok_s=10_000)
     assert est.capacity_tok_s(16, 16) == 100_000
-    _run(est, 30, healthy_workers=16, total_workers=16, queued_requests=0, gen_throughput_tok_s=150_000)
+    _run(est, 30, healthy_workers=16, total_workers=16, queued_requests=0, delivered_tok_s=150_000)
     assert est.capacity_tok_s(16, 16) > 145_000
 
 
@@ -38,7 +38,7 @@ def test_saturation_must_settle_before_it_lowers_the_estimate() -> None:
     """The first seconds of saturation show a throughput average still full of idle time: they
     must not drag the estimate down."""
     est = CapacityEstimator(100_000, 100_000)
-    _run(est, 4, healthy_workers=16, total_workers=16, queued_requests=10, gen_throughput_tok_s=20_000)
+    _run(est, 4, healthy_workers=16, total_workers=16, queued_requests=10, delivered_tok_s=20_000)
     assert est.capacity_tok_s(16, 16) == 100_000
 
 
@@ -48,10 +48,10 @@ def test_a_queue_beside_free_slots_is_not_saturation() -> None:
     SGLang counts those as waiting), the same queue is saturation."""
     est = CapacityEstimator(200_000, 200_000)
     half = dict(healthy_workers=16, total_workers=16, slots=16384, queued_requests=9, kv_usage=0.3)
-    _run(est, 30, **half, running_requests=8192, gen_throughput_tok_s=70_000)
+    _run(est, 30, **half, running_requests=8192, delivered_tok_s=70_000)
     assert est.capacity_tok_s(16, 16) == 200_000
     prefilling = {**half, "queued_requests": 4000}
-    _run(est, 30, **prefilling, running_requests=12384, gen_throughput_tok_s=180_000)
+    _run(est, 30, **prefilling, running_requests=12384, delivered_tok_s=180_000)
     assert abs(est.capacity_tok_s(16, 16) / 180_000 - 1) < 0.05 and est.evidence == "saturated"
 
 
@@ -62,7 +62,7 @@ def test_a_wave_being_prefilled_is_not_read_as_a_slow_gpu() -> None:
     est = CapacityEstimator.for_site("mi355x", 16)
     before = est.capacity_tok_s(16, 16)
     wave = dict(healthy_workers=16, total_workers=16, slots=16384, running_requests=4000, queued_requests=3000)
-    _run(est, 30, **wave, context_tokens=4000 * 1600, gen_throughput_tok_s=20_000)
+    _run(est, 30, **wave, context_tokens=4000 * 1600, delivered_tok_s=20_000)
     assert est.capacity_tok_s(16, 16) == before
 
 
@@ -71,7 +71,7 @@ def test_lost_workers_lower_capacity_at_once() -> None:
     12 deliver is read as the whole site's rate scaled up, so losing workers is not slowness."""
     est = CapacityEstimator(160_000, 160_000)
     assert est.capacity_tok_s(12, 16) == 120_000
-    _run(est, 30, healthy_workers=12, total_workers=16, queued_requests=5, gen_throughput_tok_s=120_000)
+    _run(est, 30, healthy_workers=12, total_workers=16, queued_requests=5, delivered_tok_s=120_000)
     assert abs(est.capacity_tok_s(16, 16) / 160_000 - 1) < 0.01
 
 
@@ -87,7 +87,7 @@ def _decode_like_mi300x(est: CapacityEstimator, batch: int, seconds: float = 30)
         total_workers=16,
         running_requests=16 * batch,
         context_tokens=16 * context,
-        gen_throughput_tok_s=16 * tok_s,
+        delivered_tok_s=16 * tok_s,
     )
 
 
@@ -134,7 +134,7 @@ def _steady_mi355x_site(est: CapacityEstimator, mix: WorkloadMix, work: Workload
         done = tok_s * REPORT_S * i
         report = SiteReport(
             "s", healthy_workers=16, total_workers=16, running_requests=16 * batch,
-            context_tokens=round(16 * batch * work.context_per_request), gen_throughput_tok_s=tok_s,
+            context_tokens=round(16 * batch * work.context_per_request), delivered_tok_s=tok_s,
             slots=16 * batch, prompt_tokens_total=round(done * work.prompt_per_output), generation_tokens_total=round(done),
         )  # fmt: skip
         mix.observe(report, i * REPORT_S)

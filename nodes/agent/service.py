@@ -19,6 +19,7 @@ import structlog
 from federation import wire
 from federation.work import expected_output_tokens
 from nodes.agent import sglang
+from nodes.agent.delivered import DeliveredRate
 from nodes.agent.join import JoinGate
 from nodes.agent.pool import NoHealthyWorker, Worker, WorkerPool
 
@@ -73,6 +74,7 @@ class SiteAgentService(wire.SiteAgentServicer):
         self.gate = gate
         self.address = address  # what the site registers: where the gateways dial it
         self.ledger = _Ledger()
+        self.delivered = DeliveredRate()
         self._in_flight: dict[str, tuple[Worker, str]] = {}  # request id -> (worker, worker rid)
         self._aborts: set[asyncio.Future[None]] = set()  # keep them alive until they finish
 
@@ -106,7 +108,7 @@ class SiteAgentService(wire.SiteAgentServicer):
         entry = (worker, rid)
         self.ledger.assign(worker, expected)
         self._in_flight[req.request_id] = entry
-        counted, worker_done = 0, False
+        counted, relayed, worker_done = 0, 0, False
         bound = log.bind(request_id=req.request_id, rid=rid, site=self.site, worker=worker.url)
         deltas = sglang.stream_generate(
             self.session,
@@ -119,6 +121,8 @@ class SiteAgentService(wire.SiteAgentServicer):
         try:
             async with contextlib.aclosing(self._coalesced(deltas, worker)) as chunks:
                 async for chunk in chunks:
+                    self.delivered.add(chunk.completion_tokens - relayed)
+                    relayed = chunk.completion_tokens
                     now_counted = min(chunk.completion_tokens, expected)
                     self.ledger.settle(worker, now_counted - counted)
                     counted = now_counted
@@ -212,6 +216,7 @@ class SiteAgentService(wire.SiteAgentServicer):
             queued_requests=sum(s.queued_requests for s in stats) + self.pool.waiting,
             kv_usage=sum(s.token_usage for s in stats) / len(stats) if stats else 0.0,
             gen_throughput_tok_s=sum(s.gen_throughput_tok_s for s in stats),
+            delivered_tok_s=self.delivered.sample(),
             outstanding_requests=self.ledger.requests,
             outstanding_tokens=self.ledger.tokens,
             slots=self.pool.slots,
