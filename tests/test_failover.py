@@ -104,6 +104,28 @@ async def test_streams_cut_by_a_dead_worker_continue_at_the_same_site(make_feder
 
 
 @pytest.mark.timeout(120)
+async def test_a_worker_that_cannot_be_reached_is_left_for_another(make_federation, capfd) -> None:
+    """Requests sent to a worker whose port closed before its health check noticed cannot
+    connect: the agent gives each to another of its workers, as if new. Neither the client nor
+    the gateway sees it: every answer whole, no retry."""
+    fed, _ = make_federation(speed=1, sites=[("us-mi355x", "us-west-2", "mi355x")])
+    site = next(s for s in fed.config.sites if s.name == "us-mi355x")
+    async with openai.AsyncOpenAI(base_url=_endpoint(fed) + "/v1", api_key="unused", max_retries=0) as client:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"http://{fed.config.host}:{site.worker_port}/_emulator/die", json={}) as resp:
+                assert resp.status == 200, await resp.text()
+        answers = await asyncio.gather(
+            *(
+                client.completions.create(model=MODEL, prompt="Hi", max_tokens=20, extra_body={"ignore_eos": True})
+                for _ in range(8)
+            )
+        )
+    assert all(a.usage.completion_tokens == 20 for a in answers)
+    assert _counter(fed, "federation_gateway_retries_total") == 0
+    assert "generate.worker_unreachable" in capfd.readouterr().err
+
+
+@pytest.mark.timeout(120)
 async def test_a_site_the_gateway_cannot_reach_is_retried_around(make_federation) -> None:
     """With the gateway's link to Korea cut (the scheduler still hears Korea, so still routes
     there), every request is retried on the US site before its first token: all 12 answered,

@@ -30,6 +30,9 @@ COALESCE_S = 0.05  # tokens produced within this window travel in one message
 # many minutes. Once tokens flow, a worker silent for a minute is broken, not busy.
 FIRST_TOKEN_TIMEOUT_S = 1800.0
 BETWEEN_EVENTS_TIMEOUT_S = 60.0
+# A worker that cannot be reached is left for another this many times per request (each try
+# marks the one it tried unhealthy until its health check passes).
+CONNECT_ATTEMPTS = 3
 
 
 class _Ledger:
@@ -86,10 +89,25 @@ class SiteAgentService(wire.SiteAgentServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         max_new = req.sampling_params.get("max_new_tokens")
         expected = expected_output_tokens(max_new if isinstance(max_new, int) else 0)
+        for attempt in range(1, CONNECT_ATTEMPTS + 1):
+            worker = await self._acquire(expected, context)
+            try:
+                async for pb in self._relay(req, worker, expected, context):
+                    yield pb
+                return
+            except sglang.WorkerUnreachable as exc:
+                # Nothing reached the worker: another one takes the request, unseen by the client.
+                log.warning("generate.worker_unreachable", request_id=req.request_id, attempt=attempt, error=str(exc))
+                if attempt == CONNECT_ATTEMPTS:
+                    await context.abort(grpc.StatusCode.ABORTED, f"site {self.site}: {exc}")
+
+    async def _acquire(self, expected: int, context) -> Worker:
+        """A worker slot for a request expected to produce `expected` tokens, counted in the ledger
+        while it waits and runs; aborts the call if the site has no healthy worker or no slot in time."""
         self.ledger.arrive(expected)
         try:
             async with asyncio.timeout(FIRST_TOKEN_TIMEOUT_S):
-                worker = await self.pool.acquire()
+                return await self.pool.acquire()
         except BaseException as exc:
             self.ledger.leave(expected)
             if isinstance(exc, NoHealthyWorker):
@@ -97,6 +115,10 @@ class SiteAgentService(wire.SiteAgentServicer):
             if isinstance(exc, TimeoutError):
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"site {self.site}: no worker slot in time")
             raise
+
+    async def _relay(self, req: wire.GenerateRequest, worker: Worker, expected: int, context) -> AsyncIterator:
+        """The worker's answer, coalesced into gRPC messages; the worker's slot and the ledger are
+        settled when it ends, however it ends. Raises WorkerUnreachable (nothing was sent)."""
         # The worker's rid is ours, fixed-length and unique: SGLang aborts by rid *prefix*,
         # so a client's id must never be able to name another client's request.
         rid = "fed-" + uuid.uuid4().hex
@@ -131,6 +153,10 @@ class SiteAgentService(wire.SiteAgentServicer):
         except sglang.WorkerRejected as exc:
             worker_done = True
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except sglang.WorkerUnreachable:
+            self.pool.mark_failed(worker)
+            worker_done = True
+            raise
         except sglang.WorkerFailed as exc:
             self.pool.mark_failed(worker)
             # A lost connection ended the request at the worker: no abort to send (a dead

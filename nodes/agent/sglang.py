@@ -31,6 +31,12 @@ class WorkerFailed(Exception):
         self.connection_lost = connection_lost
 
 
+class WorkerUnreachable(WorkerFailed):
+    """The worker never answered: no connection could be made, or it closed before a response
+    began. Nothing of the answer exists (a worker that had begun aborts a request whose client
+    is gone), so another worker may take the request as if it were new."""
+
+
 @dataclass(frozen=True, slots=True)
 class Delta:
     text: str
@@ -87,9 +93,10 @@ async def stream_generate(
 ) -> AsyncIterator[Delta]:
     """POST /generate with stream=true and yield what each event adds. Every wait is bounded:
     a worker that goes silent is a failed worker, never a hung request."""
-    sent_text, sent_ids = 0, 0
+    sent_text, sent_ids, answered = 0, 0, False
     try:
         async with session.post(url + "/generate", json={**payload, "stream": True}) as resp:
+            answered = True
             if resp.status >= 500:
                 raise WorkerFailed(f"{url} answered {resp.status}")
             if resp.status != 200:
@@ -134,6 +141,8 @@ async def stream_generate(
         raise
     except Exception as exc:  # a reset, a malformed event, an oversized line: the worker's fault
         lost = isinstance(exc, aiohttp.ClientError)
+        if lost and not answered:
+            raise WorkerUnreachable(f"{url}: {type(exc).__name__}: {exc}", connection_lost=True) from exc
         raise WorkerFailed(f"{url}: {type(exc).__name__}: {exc}", connection_lost=lost) from exc
     raise WorkerFailed(f"{url} ended the stream without [DONE]")
 
