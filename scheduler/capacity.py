@@ -1,6 +1,6 @@
 """What a site can deliver, in output tokens/s: a prior to start from, then what it proves.
 
-The GPU profile × GPU count is only where the estimate starts. Two kinds of evidence then
+The GPU profile × GPU count is only where the estimate starts. Three kinds of evidence then
 move it, every report:
 
 - A site whose requests wait while its slots (or its KV cache) are full is saturated, and a
@@ -14,6 +14,10 @@ move it, every report:
   is than declared; what the declared GPUs' model delivers, scaled by that ratio, is the
   estimate. So a site declared MI355X that runs like an MI300X loses its share before it
   ever queues.
+- A site delivering more than believed, held for 10 s, proves at least the least it delivered
+  over those seconds (a burst relayed late after a stall proves nothing).
+
+The rate is what the site's agent relayed over its last 5 s (`delivered_tok_s`).
 
 The estimate is kept per healthy worker, so a site that loses workers loses that share
 at once, while a slow site loses share as fast as it proves it is slow.
@@ -46,6 +50,10 @@ SETTLE_S = 5.0
 # The batch is averaged over about the same recent window as the delivered rate (a 5 s boxcar
 # lags by 2.5 s on average), so the two describe the same seconds.
 BATCH_TIME_CONSTANT_S = 2.5
+# More delivered than believed raises the estimate once held this long, to the least delivered
+# meanwhile: twice the rate's 5 s window, so a burst of tokens held up by a stalled loop
+# (relayed late, all at once) has left the window before it could count.
+ABOVE_HELD_S = 2 * SETTLE_S
 # Below this many requests per worker the step is mostly fixed cost and launch jitter: too
 # little to scale a whole site's capacity from.
 MIN_BATCH_PER_WORKER = 8.0
@@ -93,6 +101,8 @@ class CapacityEstimator:
     gpus: int = 0
     saturated_for_s: float = 0.0
     busy_for_s: float = 0.0
+    above_for_s: float = 0.0  # how long the site has delivered more than the estimate
+    above_least_tok_s: float = math.inf  # the least it delivered over that time
     batch_per_worker: float = 0.0  # recent average
     context_per_worker: float = 0.0
     evidence: str = "prior"  # what the estimate last moved on: prior, probe, batch, saturated, delivered
@@ -140,6 +150,7 @@ class CapacityEstimator:
         busy = report.running_requests / healthy >= MIN_BATCH_PER_WORKER and report.queued_requests == 0
         self.busy_for_s = self.busy_for_s + dt_s if busy else 0.0
 
+        held_above_s = self._held_above(delivered_full_site, dt_s)
         if self.saturated_for_s >= SETTLE_S:
             seen, evidence = delivered_full_site, "saturated"
         elif self.busy_for_s >= SETTLE_S and self.profile is not None and per_worker_tok_s > 0:
@@ -148,13 +159,22 @@ class CapacityEstimator:
                 self.profile, self.batch_per_worker, self.context_per_worker, per_worker_tok_s, prefill
             )
             seen, evidence = self.declared_model_tok_s * ratio, "batch"
-        elif delivered_full_site > self.full_site_tok_s:
-            seen, evidence = delivered_full_site, "delivered"  # more than believed is proof, busy or not
+        elif held_above_s >= ABOVE_HELD_S:
+            seen, evidence = self.above_least_tok_s, "delivered"  # more than believed is proof, busy or not
         else:
             return
         weight = 1.0 - math.exp(-min(dt_s, MAX_STEP_S) / TIME_CONSTANT_S)
         self.full_site_tok_s += weight * (seen - self.full_site_tok_s)
         self.evidence = evidence
+
+    def _held_above(self, delivered_tok_s: float, dt_s: float) -> float:
+        """Seconds the site has delivered more than the estimate, to now; the least of it is kept."""
+        if delivered_tok_s <= self.full_site_tok_s:
+            self.above_for_s, self.above_least_tok_s = 0.0, math.inf
+        else:
+            self.above_for_s += dt_s
+            self.above_least_tok_s = min(self.above_least_tok_s, delivered_tok_s)
+        return self.above_for_s
 
     def prefill_s_per_token(self) -> float:
         """The GPU's prefill cost per prompt token, at the speed the site has shown."""

@@ -34,6 +34,20 @@ def test_idle_sites_keep_their_estimate_and_busy_ones_raise_it() -> None:
     assert est.capacity_tok_s(16, 16) > 145_000
 
 
+def test_a_burst_of_tokens_relayed_late_does_not_raise_the_estimate() -> None:
+    """An agent whose loop stalled relays the tokens held up all at once: its 5-s rate shows a
+    spike for 5 s. More than believed must hold longer than that before it counts, and then
+    counts at the least it was."""
+    est = CapacityEstimator(100_000, 100_000)
+    idle = dict(healthy_workers=16, total_workers=16, queued_requests=0)
+    _run(est, 5, **idle, delivered_tok_s=160_000)
+    _run(est, 5, **idle, delivered_tok_s=90_000)
+    assert est.capacity_tok_s(16, 16) == 100_000
+    _run(est, 10, **idle, delivered_tok_s=130_000)
+    _run(est, 1, **idle, delivered_tok_s=120_000)
+    assert 100_000 < est.capacity_tok_s(16, 16) <= 120_000 and est.evidence == "delivered"
+
+
 def test_saturation_must_settle_before_it_lowers_the_estimate() -> None:
     """The first seconds of saturation show a throughput average still full of idle time: they
     must not drag the estimate down."""
