@@ -30,8 +30,8 @@ COALESCE_S = 0.05  # tokens produced within this window travel in one message
 # many minutes. Once tokens flow, a worker silent for a minute is broken, not busy.
 FIRST_TOKEN_TIMEOUT_S = 1800.0
 BETWEEN_EVENTS_TIMEOUT_S = 60.0
-# A worker that cannot be reached is left for another this many times per request (each try
-# marks the one it tried unhealthy until its health check passes).
+# A request whose worker never answered goes to another, up to this many tries in all (each
+# marks the worker it tried unhealthy until its health check passes).
 CONNECT_ATTEMPTS = 3
 
 
@@ -96,7 +96,7 @@ class SiteAgentService(wire.SiteAgentServicer):
                     yield pb
                 return
             except sglang.WorkerUnreachable as exc:
-                # Nothing reached the worker: another one takes the request, unseen by the client.
+                # The worker never answered: another one takes the request, unseen by the client.
                 log.warning("generate.worker_unreachable", request_id=req.request_id, attempt=attempt, error=str(exc))
                 if attempt == CONNECT_ATTEMPTS:
                     await context.abort(grpc.StatusCode.ABORTED, f"site {self.site}: {exc}")
@@ -118,7 +118,7 @@ class SiteAgentService(wire.SiteAgentServicer):
 
     async def _relay(self, req: wire.GenerateRequest, worker: Worker, expected: int, context) -> AsyncIterator:
         """The worker's answer, coalesced into gRPC messages; the worker's slot and the ledger are
-        settled when it ends, however it ends. Raises WorkerUnreachable (nothing was sent)."""
+        settled when it ends, however it ends. Raises WorkerUnreachable if the worker never answered."""
         # The worker's rid is ours, fixed-length and unique: SGLang aborts by rid *prefix*,
         # so a client's id must never be able to name another client's request.
         rid = "fed-" + uuid.uuid4().hex
