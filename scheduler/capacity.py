@@ -7,8 +7,9 @@ move it, every report:
   saturated site delivers exactly its capacity: the estimate moves toward the delivered rate.
   A queue beside free room is only requests waiting for the next step to admit them.
 - A site with room to spare and nothing waiting still shows how fast it runs the batch it
-  has (with prompts waiting or being prefilled, its steps also carry their prefill, and a
-  wave of arrivals would read as a slow GPU: the estimate waits). Its workers' step at
+  has, each step also prefilling its share of the requests that replace those finishing; so
+  does one with many requests waiting (each step then prefills a full chunk; a few waiting
+  are read as neither, and the estimate waits). Its workers' step at
   that batch (running requests over tokens/s) against the step the GPU profile predicts
   for the same batch, context and share of prefill says how much faster or slower the site
   is than declared; what the declared GPUs' model delivers, scaled by that ratio, is the
@@ -54,6 +55,10 @@ BATCH_TIME_CONSTANT_S = 2.5
 # meanwhile: twice the rate's 5 s window, so a burst of tokens held up by a stalled loop
 # (relayed late, all at once) has left the window before it could count.
 ABOVE_HELD_S = 2 * SETTLE_S
+# This many requests waiting per worker (~1k-token prompts) fill a prefill chunk (16,384 tokens):
+# a step then carries a full chunk, and the batch it decodes can be read against the GPU model
+# again. Fewer waiting are requests between steps, of a prefill share no report says.
+QUEUE_FOR_FULL_CHUNKS = 16
 # Below this many requests per worker the step is mostly fixed cost and launch jitter: too
 # little to scale a whole site's capacity from.
 MIN_BATCH_PER_WORKER = 8.0
@@ -147,7 +152,12 @@ class CapacityEstimator:
         self.batch_per_worker += follow * (report.running_requests / healthy - self.batch_per_worker)
         self.context_per_worker += follow * (report.context_tokens / healthy - self.context_per_worker)
         self.saturated_for_s = self.saturated_for_s + dt_s if report.queued_requests > 0 and _full(report) else 0.0
-        busy = report.running_requests / healthy >= MIN_BATCH_PER_WORKER and report.queued_requests == 0
+        # Requests waiting at the site: enough of them and every step prefills a full chunk
+        # besides its decode (a wave being prefilled, or a site too slow for what it is sent).
+        prefills_full_chunks = report.queued_requests >= QUEUE_FOR_FULL_CHUNKS * healthy
+        busy = report.running_requests / healthy >= MIN_BATCH_PER_WORKER and (
+            report.queued_requests == 0 or prefills_full_chunks
+        )
         self.busy_for_s = self.busy_for_s + dt_s if busy else 0.0
 
         held_above_s = self._held_above(delivered_full_site, dt_s)
@@ -155,6 +165,8 @@ class CapacityEstimator:
             seen, evidence = delivered_full_site, "saturated"
         elif self.busy_for_s >= SETTLE_S and self.profile is not None and per_worker_tok_s > 0:
             prefill = self.mix.current.prompt_per_output if self.mix is not None else 0.0
+            if prefills_full_chunks:
+                prefill = self.profile.chunked_prefill_tokens / max(self.batch_per_worker, 1.0)
             ratio = decode_speed_ratio(
                 self.profile, self.batch_per_worker, self.context_per_worker, per_worker_tok_s, prefill
             )

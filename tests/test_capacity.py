@@ -71,13 +71,35 @@ def test_a_queue_beside_free_slots_is_not_saturation() -> None:
 
 def test_a_wave_being_prefilled_is_not_read_as_a_slow_gpu() -> None:
     """A joining site takes thousands of requests at once: while their prompts are prefilled
-    (SGLang shows them waiting) its few decoding requests step slowly. That is no evidence of
-    a slow GPU, and the estimate waits for the wave to pass."""
+    (SGLang shows them waiting) its decoding requests step slowly, each step carrying a full
+    prefill chunk. Read as such, that is no evidence of a slow GPU: the estimate is what the
+    declared GPUs' model delivers, within a few per cent."""
     est = CapacityEstimator.for_site("mi355x", 16)
-    before = est.capacity_tok_s(16, 16)
+    per_gpu = 4000 / 16
+    step_ms = PROFILES["mi355x"].step_ms(per_gpu, per_gpu * 1600, PROFILES["mi355x"].chunked_prefill_tokens)
     wave = dict(healthy_workers=16, total_workers=16, slots=16384, running_requests=4000, queued_requests=3000)
-    _run(est, 30, **wave, context_tokens=4000 * 1600, delivered_tok_s=20_000)
-    assert est.capacity_tok_s(16, 16) == before
+    _run(est, 30, **wave, context_tokens=4000 * 1600, delivered_tok_s=16 * per_gpu * 1000 / step_ms)
+    assert abs(est.capacity_tok_s(16, 16) / est.declared_model_tok_s - 1) < 0.03
+
+
+def test_a_browned_out_site_with_a_queue_and_free_slots_loses_its_share() -> None:
+    """A site whose GPUs slow 4-fold is still sent work: prompts wait at it while finished
+    requests leave slots free, so it is neither idle nor full. Its decode batch, stepping 4
+    times slower than the GPU model says with a full prefill chunk per step, cuts the estimate
+    to about a quarter within 30 s."""
+    est = CapacityEstimator.for_site("mi355x", 16)
+    per_gpu = 800
+    step_ms = PROFILES["mi355x"].step_ms(per_gpu, per_gpu * 1200, PROFILES["mi355x"].chunked_prefill_tokens)
+    slowed = dict(healthy_workers=16, total_workers=16, slots=16384, running_requests=16 * per_gpu)
+    _run(
+        est,
+        30,
+        **slowed,
+        queued_requests=2000,
+        context_tokens=16 * per_gpu * 1200,
+        delivered_tok_s=16 * per_gpu * 1000 / (4 * step_ms),
+    )
+    assert abs(est.capacity_tok_s(16, 16) / (est.declared_model_tok_s / 4) - 1) < 0.1 and est.evidence == "batch"
 
 
 def test_lost_workers_lower_capacity_at_once() -> None:
