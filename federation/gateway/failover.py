@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import structlog
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
 from federation import tokens, wire
 from federation.errors import NoCapacity, SiteWorkerFailed, UpstreamFailed
@@ -37,8 +37,10 @@ SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # what a /generate without max_new_tokens g
 STRUCTURED_OUTPUT_PARAMS = ("json_schema", "regex", "ebnf")
 
 
-# How long a request may wait for a site that serves it, from its arrival or from a failure:
+# How long a request may look for a site that serves it, from its arrival or from a failure:
 # long enough to ride out a site's loss and the schedulers noticing it (~1 s), and a restart.
+# The time a site held it before failing (queued behind thousands, it may be minutes) is not
+# looking: a request whose worker died after it had waited 40 s still gets its retries.
 RETRY_BUDGET_S = 30.0
 
 
@@ -103,6 +105,7 @@ class Generation:
         self.resumed = 0
         self.sites: list[str] = []  # every site that sent this answer tokens, in order
         self._tried: set[str] = set()  # sites that failed this request since it last made progress
+        self._held_s = 0.0  # seconds sites held it before failing it, in this search for a site (not in the budget)
         self._produced = 0  # tokens the client has been sent
         self._offset = 0  # tokens produced before the current site took over
         self._id_parts: list[tuple[int, ...]] = []  # every token id sent, from every site
@@ -148,14 +151,18 @@ class Generation:
 
     async def _open(self, request: wire.GenerateRequest):
         """(decision, stream, first chunk) from the first site that starts answering."""
+        self._held_s = 0.0
         retrying = AsyncRetrying(
             retry=retry_if_exception_type((UpstreamFailed, NoCapacity)),
             wait=wait_random_exponential(multiplier=0.05, max=1.0),
-            stop=stop_after_delay(self.config.retry_budget_s),
+            stop=self._budget_spent,
             reraise=True,
             before_sleep=self._count_retry,
         )
         return await retrying(self._attempt, request)
+
+    def _budget_spent(self, state: RetryCallState) -> bool:
+        return state.seconds_since_start - self._held_s >= self.config.retry_budget_s
 
     def _count_retry(self, state) -> None:
         self.retries += 1
@@ -171,12 +178,14 @@ class Generation:
             self._tried.clear()  # every site failed it once: each may be tried again after the backoff
             raise
         stream = self.upstream.generate(decision.agent_address, request)
+        sent_at = time.monotonic()
         try:
             first = await anext(stream, None)
             if first is None:
                 raise UpstreamFailed(f"site {decision.site} ended the stream before the first token")
         except UpstreamFailed as exc:
             await stream.aclose()
+            self._held_s += time.monotonic() - sent_at
             self._failed(decision.site, exc)
             raise
         except BaseException:
