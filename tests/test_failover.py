@@ -14,9 +14,10 @@ import aiohttp
 import openai
 import pytest
 
-from federation import tokens
+from federation import admin, tokens
 from federation.drills.sampler import gateway_counters, site_tokens
 from federation.embedded import Federation
+from federation.processes import free_port_block, start_python
 from tests.conftest import SITES, fedctl
 from tests.test_federation import MODEL
 
@@ -145,6 +146,38 @@ async def test_a_site_the_gateway_cannot_reach_is_retried_around(make_federation
     assert all(a.parse().usage.completion_tokens == 20 for a in answers)
     retries = _counter(fed, "federation_gateway_retries_total")
     assert 1 <= retries <= 6  # Korea's share of 12 round-robin routes, until its circuit opened
+
+
+@pytest.mark.timeout(120)
+async def test_the_time_a_site_held_a_request_is_not_in_its_retry_budget(make_federation) -> None:
+    """Korea, behind a 1.5-s round trip, holds a request longer than the gateway's whole retry
+    budget (0.2 s here) and then dies: the request is still retried, at the US, and answered.
+    The budget is for looking for a site, not for waiting at one (queued behind thousands, a
+    request may wait minutes before its worker dies)."""
+    fed, _ = make_federation(rtt_ms=1500)
+    schedulers = list(fed.config.scheduler_addresses)
+    port = free_port_block(1)
+    args = ["--port", str(port), "--model", MODEL, "--retry-budget-s", "0.2"]
+    gateway = start_python(
+        "gateway", "federation.gateway", [*args, *(a for s in schedulers for a in ("--scheduler", s))]
+    )
+    try:
+        assert await asyncio.to_thread(admin.drain, schedulers, "us-mi355x") == schedulers
+        async with openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0
+        ) as client:
+            answer = asyncio.ensure_future(
+                client.completions.create(model=MODEL, prompt="far", max_tokens=8, extra_body={"ignore_eos": True})
+            )
+            await asyncio.sleep(0.4)  # on its way to Korea, 0.75 s each way
+            assert await asyncio.to_thread(admin.drain, schedulers, "us-mi355x", False) == schedulers
+            fed.child("agent kr-mi300x").proc.send_signal(signal.SIGKILL)
+            assert (await answer).usage.completion_tokens == 8
+        counters = gateway_counters(f"http://127.0.0.1:{port}/metrics")
+        assert counters.get("federation_gateway_retries_total", 0) >= 1
+        assert counters.get("federation_gateway_resumed_total", 0) == 0
+    finally:
+        gateway.stop()
 
 
 @pytest.mark.timeout(120)
