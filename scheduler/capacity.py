@@ -8,11 +8,10 @@ move it, every report:
   A queue beside free room is only requests waiting for the next step to admit them.
 - A site with room to spare and nothing waiting still shows how fast it runs the batch it
   has, each step also prefilling its share of the requests that replace those finishing; so
-  does one with many requests waiting (each step then prefills a full chunk; a few waiting
-  are read as neither, and the estimate waits). Its workers' step at
-  that batch (running requests over tokens/s) against the step the GPU profile predicts
-  for the same batch, context and share of prefill says how much faster or slower the site
-  is than declared; what the declared GPUs' model delivers, scaled by that ratio, is the
+  does one with many requests waiting (each step then prefills a full chunk; with a few
+  waiting the prefill is unknown, and the estimate waits). Its workers' step at that batch
+  (running requests over tokens/s) against the step the GPU profile predicts for the same
+  batch, context and prefill says how much faster or slower the site is than declared; what the declared GPUs' model delivers, scaled by that ratio, is the
   estimate. So a site declared MI355X that runs like an MI300X loses its share before it
   ever queues.
 - A site delivering more than believed, held for 10 s, proves at least the least it delivered
