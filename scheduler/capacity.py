@@ -74,13 +74,13 @@ def prior_capacity_tok_s(gpu: str, gpus: int) -> float:
 
 
 def decode_speed_ratio(
-    profile: GpuProfile, batch: float, context_tokens: float, tok_s: float, prompt_per_output: float = 0.0
+    profile: GpuProfile, batch: float, context_tokens: float, tok_s: float, prefill_tokens: float = 0.0
 ) -> float:
     """How many times faster than `profile` a GPU is that makes `tok_s` output tokens/s while
-    decoding `batch` requests holding `context_tokens` of KV (all per GPU), each output token
-    carrying `prompt_per_output` tokens of prefill."""
+    decoding `batch` requests holding `context_tokens` of KV, each step also prefilling
+    `prefill_tokens` (all per GPU)."""
     measured_step_ms = 1000.0 * batch / tok_s
-    return profile.step_ms(round(batch), round(context_tokens), round(batch * prompt_per_output)) / measured_step_ms
+    return profile.step_ms(round(batch), round(context_tokens), round(prefill_tokens)) / measured_step_ms
 
 
 def full_batch_tok_s(profile: GpuProfile, work: Workload) -> float:
@@ -163,9 +163,11 @@ class CapacityEstimator:
         if self.saturated_for_s >= SETTLE_S:
             seen, evidence = delivered_full_site, "saturated"
         elif self.busy_for_s >= SETTLE_S and self.profile is not None and per_worker_tok_s > 0:
-            prefill = self.mix.current.prompt_per_output if self.mix is not None else 0.0
             if prefills_full_chunks:
-                prefill = self.profile.chunked_prefill_tokens / max(self.batch_per_worker, 1.0)
+                prefill = float(self.profile.chunked_prefill_tokens)
+            else:  # the share of the prompts replacing the requests that finish
+                prompt_per_output = self.mix.current.prompt_per_output if self.mix is not None else 0.0
+                prefill = self.batch_per_worker * prompt_per_output
             ratio = decode_speed_ratio(
                 self.profile, self.batch_per_worker, self.context_per_worker, per_worker_tok_s, prefill
             )
