@@ -60,9 +60,10 @@ class Config:
     scheduler_port: int  # the first replica's; replica i listens on scheduler_port + i
     scheduler_region: str
     policy: str = "least_expected_delay"
-    # How often emulated workers send a stream event (emulated ms). First token and finish are
-    # exact either way; benchmarks with ~20 k open streams raise it to keep the CPU out of it.
-    stream_chunk_ms: float = 100.0
+    # Emulated workers send a stream event every this many decode steps (SGLang's
+    # --stream-interval; 1, its default, is an event per token). A larger one is coarser
+    # chunking than a real site's, and any result measured with it must say so.
+    stream_interval: int = 1
     # Gateway processes sharing the port (SO_REUSEPORT): each open request holds a socket,
     # and one process has 20,000 file descriptors here; a federation at MLPerf load has more.
     gateway_processes: int = 1
@@ -88,14 +89,14 @@ class Config:
         port: int | None = None,
         speed: float | None = None,
         policy: str | None = None,
-        stream_chunk_ms: float | None = None,
+        stream_interval: int | None = None,
     ) -> Config:
         return replace(
             self,
             gateway_port=self.gateway_port if port is None else port,
             speed=self.speed if speed is None else speed,
             policy=self.policy if policy is None else policy,
-            stream_chunk_ms=self.stream_chunk_ms if stream_chunk_ms is None else stream_chunk_ms,
+            stream_interval=self.stream_interval if stream_interval is None else stream_interval,
         )
 
 
@@ -172,10 +173,16 @@ def parse(text: str, source: str = "config") -> Config:
         raise ConfigError(f"{source}: gateway.processes must be >= 1")
     if len({s.name for s in sites}) != len(sites):
         raise ConfigError(f"{source}: site names must be unique")
-    speed, chunk_ms = raw.get("speed", 1.0), raw.get("stream_chunk_ms", 100.0)
-    for key, value in (("speed", speed), ("stream_chunk_ms", chunk_ms)):
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise ConfigError(f"{source}: {key} must be a number > 0")
+    speed, interval = raw.get("speed", 1.0), raw.get("stream_interval", 1)
+    if isinstance(speed, bool) or not isinstance(speed, int | float) or speed <= 0:
+        raise ConfigError(f"{source}: speed must be a number > 0")
+    if "stream_chunk_ms" in raw:
+        raise ConfigError(
+            f"{source}: stream_chunk_ms is gone: emulated workers stream as SGLang does, an event every "
+            "`stream_interval` decode steps (1, the default, is an event per token)"
+        )
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ConfigError(f"{source}: stream_interval must be an integer >= 1")
     return Config(
         model=str(raw.get("model", "openai/gpt-oss-120b")),
         host=str(raw.get("host", "127.0.0.1")),
@@ -185,7 +192,7 @@ def parse(text: str, source: str = "config") -> Config:
         scheduler_port=int(scheduler.get("port", 50051)),
         scheduler_region=str(scheduler.get("region", gateway.get("region", ""))),
         policy=policy,
-        stream_chunk_ms=float(chunk_ms),
+        stream_interval=interval,
         gateway_processes=processes,
         ttft_budget_ms=float(budget),
         rtt_ms=rtt,

@@ -116,8 +116,8 @@ class Federation:
                 "--emulate",
                 "--speed",
                 str(c.speed),
-                "--emulator-stream-chunk-ms",
-                str(c.stream_chunk_ms),
+                "--emulator-stream-interval",
+                str(c.stream_interval),
                 *(["--emulator-port", str(site.worker_port)] if site.worker_port else []),
             ],
         )

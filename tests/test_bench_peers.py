@@ -41,7 +41,7 @@ async def test_round_robin_serves_exact_streams_and_leaves_no_process() -> None:
     own_children = {p.pid for p in psutil.Process().children(recursive=True)}
     samples = WorkloadSpec(8, prompt=LengthDistribution(100, 0.5), output=LengthDistribution(40, 0.5)).samples()
     started = time.monotonic()
-    with FlatRouter(CONFIG, "round_robin", stream_chunk_ms=20) as router:
+    with FlatRouter(CONFIG, "round_robin") as router:
         start_up_s = time.monotonic() - started
         ours = [child.pid for child in router.children]
         emulators = [c for c in router.children if isinstance(c, EmulatorProcess)]
@@ -67,7 +67,7 @@ async def test_round_robin_serves_exact_streams_and_leaves_no_process() -> None:
 def test_unknown_policy_is_refused() -> None:
     """A policy the comparison does not run is a ValueError before any process starts."""
     with pytest.raises(ValueError, match="round_robin"):
-        FlatRouter(CONFIG, "random", stream_chunk_ms=20)
+        FlatRouter(CONFIG, "random")
 
 
 def test_a_router_that_cannot_start_is_a_start_failure(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,5 +79,5 @@ def test_a_router_that_cannot_start_is_a_start_failure(monkeypatch: pytest.Monke
     )
     monkeypatch.setattr("federation.bench.peers.ROUTER_FLAGS", ("--no-such-flag",))
     with pytest.raises(StartFailed, match=r"(?s)sglang-router exited during start-up.*no-such-flag"):
-        FlatRouter(one_site, "round_robin", stream_chunk_ms=20).__enter__()
+        FlatRouter(one_site, "round_robin").__enter__()
     assert {p.pid for p in psutil.Process().children(recursive=True)} == own_children

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from collections.abc import AsyncIterator
 
@@ -10,6 +11,7 @@ import pytest
 
 from nodes.emulator.engine import Engine, Sequence, _Segment
 from nodes.emulator.profiles import PROFILES, GpuProfile
+from nodes.emulator.wakeups import StepWakeups
 
 
 @pytest.fixture
@@ -98,3 +100,112 @@ async def test_abort_frees_the_slot(run_engine) -> None:
     assert first.done.done() and 1 <= engine.generated_tokens(first) < 10**6
     await asyncio.wait_for(second.done, 5)
     assert engine.generated_tokens(second) == 50
+
+
+def _tokens_reached(engine: Engine, seq: Sequence, tokens: int) -> asyncio.Future[None]:
+    """A future done when the engine makes its call for `tokens` of `seq`."""
+    fut = asyncio.get_running_loop().create_future()
+    engine.call_at_tokens(seq, tokens, lambda: fut.done() or fut.set_result(None))
+    return fut
+
+
+def test_step_wakeups_release_in_step_order() -> None:
+    """Waiters come out by the step they wait for, all of a step together, and only up to the
+    step asked; the earliest pending step is always known."""
+    wakeups: StepWakeups[str] = StepWakeups()
+    for step, name in [(7, "a"), (3, "b"), (7, "c"), (5, "d"), (3, "e")]:
+        wakeups.add(step, name)
+    assert wakeups.first() == 3
+    assert wakeups.pop_due(2) == []
+    assert wakeups.pop_due(5) == ["b", "e", "d"]
+    assert wakeups.first() == 7
+    assert wakeups.pop_due(100) == ["a", "c"]
+    assert wakeups.first() is None
+
+
+async def test_token_call_comes_at_the_step_that_makes_the_token(run_engine) -> None:
+    """call_at_tokens(seq, n, ...) calls when the step that produces token n completes: the count is
+    then exactly n, and the time is the first token's plus the model's step durations."""
+    profile, prompt, speed = PROFILES["mi355x"], 100, 1.0
+    engine = run_engine(profile, speed=speed)
+    loop = asyncio.get_running_loop()
+    seq = _seq(prompt, 12, loop.time())
+    engine.submit(seq)
+    await seq.first_token
+    seen, expected_at, step_start = [], [], seq.first_token_at
+    for n in range(2, 12):
+        await _tokens_reached(engine, seq, n)
+        seen.append((engine.generated_tokens(seq), loop.time()))
+        # decode step k of a batch of one attends the prompt and the k + 1 tokens so far
+        step_start += profile.step_ms(1, prompt + n - 1, 0) / 1000.0 / speed
+        expected_at.append(step_start)
+    assert [count for count, _ in seen] == list(range(2, 12))
+    lateness = [t - want for (_, t), want in zip(seen, expected_at, strict=True)]
+    assert min(lateness) > -0.001, "no token before its step completes"
+    assert sum(lateness) / len(lateness) < 0.005, lateness
+
+
+async def test_token_call_past_the_answer_comes_at_the_finish(run_engine) -> None:
+    """Asking for more tokens than the answer has ends when the request finishes, with its count."""
+    engine = run_engine(PROFILES["mi355x"], speed=20.0)
+    seq = _seq(100, 5, asyncio.get_running_loop().time())
+    engine.submit(seq)
+    await asyncio.wait_for(_tokens_reached(engine, seq, 50), 5)
+    assert seq.done.done() and engine.generated_tokens(seq) == 5
+
+
+async def test_abort_makes_a_pending_token_call_at_once(run_engine) -> None:
+    """An abort ends a client's wait for its next token immediately, not at the next step."""
+    engine = run_engine(PROFILES["mi300x"], speed=1.0)
+    seq = _seq(100, 10**6, asyncio.get_running_loop().time())
+    engine.submit(seq)
+    await seq.first_token
+    waiter = _tokens_reached(engine, seq, 1000)
+    assert not waiter.done()
+    engine.abort(seq, "test")
+    assert waiter.done()
+
+
+async def _follow(engine: Engine, seq: Sequence) -> list[int]:
+    """A per-token streaming client: every count it observes, one wait per next token; the last
+    token is seen with the finish."""
+    await seq.first_token
+    counts: list[int] = []
+    while not seq.done.done():
+        n = min(engine.generated_tokens(seq), seq.target_tokens - 1)
+        if not counts or n > counts[-1]:
+            counts.append(n)
+        else:
+            await _tokens_reached(engine, seq, n + 1)
+    counts.append(engine.generated_tokens(seq))
+    return counts
+
+
+async def test_one_wake_per_token_while_the_batch_changes(run_engine) -> None:
+    """A streaming client waiting token by token sees every count once, in order, while other
+    requests arrive and finish around it (each one replans the stretch of steps)."""
+    engine = run_engine(PROFILES["mi355x"], speed=1.0)
+    loop = asyncio.get_running_loop()
+    followed = _seq(100, 40, loop.time())
+    engine.submit(followed)
+    follower = asyncio.create_task(_follow(engine, followed))
+    rng = random.Random(3)
+    while not followed.done.done():
+        engine.submit(_seq(rng.randint(10, 500), rng.randint(1, 8), loop.time()))
+        await asyncio.sleep(rng.uniform(0.002, 0.015))
+    assert await follower == list(range(1, 41))
+
+
+async def test_token_calls_survive_retraction(run_engine) -> None:
+    """Clients of retracted requests keep waiting through the re-prefill and see their counts
+    only grow, up to the exact answer length."""
+    engine = run_engine(PROFILES["mi300x"], speed=500.0, kv_capacity_tokens=40_000)
+    loop = asyncio.get_running_loop()
+    seqs = [_seq(500, 3000, loop.time()) for _ in range(16)]
+    for s in seqs:
+        engine.submit(s)
+    observed = await asyncio.wait_for(asyncio.gather(*(_follow(engine, s) for s in seqs)), 60)
+    assert engine.retractions > 0
+    for counts in observed:
+        assert all(a < b for a, b in itertools.pairwise(counts))
+        assert counts[-1] == 3000

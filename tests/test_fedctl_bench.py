@@ -33,7 +33,7 @@ KEYS = {
 def _bench(tmp_path: Path, *args: str) -> dict:
     config, _ = _config(tmp_path, [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")])
     out = tmp_path / "bench.json"
-    common = ["--config", str(config), "--speed", "10", "--stream-chunk-ms", "200", "--output-mean", "60"]
+    common = ["--config", str(config), "--speed", "10", "--stream-interval", "16", "--output-mean", "60"]
     proc = subprocess.run(
         [sys.executable, "-m", "federation.cli", "bench", *common, *args, "--json", str(out)],
         cwd=PROJECT_ROOT,

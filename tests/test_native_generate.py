@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
+import pytest
 
 from federation import tokens
 from nodes.emulator.launch import EmulatorProcess as Emulator
@@ -133,3 +135,20 @@ async def test_abort_request_ends_running_request(fresh_worker: Emulator, http: 
     final = events[-1]["meta_info"]
     assert final["finish_reason"]["type"] == "abort"
     assert 1 <= final["completion_tokens"] < 20000
+
+
+async def test_client_leaving_a_whole_answer_aborts_it(fresh_worker: Emulator, http: aiohttp.ClientSession) -> None:
+    """A client that gives up on a non-stream request gets it aborted at the worker: its slot frees
+    at once instead of decoding to the end for nobody."""
+    url = fresh_worker.urls[0]
+    body = {"text": "long", "sampling_params": {"max_new_tokens": 50_000, "ignore_eos": True}}
+    with pytest.raises(TimeoutError):
+        async with http.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=0.5)):
+            pass
+    for _ in range(50):
+        async with http.get(url + "/_emulator/state") as resp:
+            engine = (await resp.json())["engine"]
+        if engine["running"] == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert engine["running"] == engine["waiting"] == 0

@@ -173,8 +173,8 @@ async def run_fidelity(args: argparse.Namespace) -> dict[str, Any]:
                     "1",
                     "--speed",
                     str(args.speed),
-                    "--stream-chunk-ms",
-                    str(args.stream_chunk_ms),
+                    "--stream-interval",
+                    str(args.stream_interval),
                 ]
             )
         start = time.monotonic()
@@ -309,10 +309,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     fid.add_argument("--warmup-s", type=runtime.positive_float, default=240.0, help="past two output lifetimes")
     fid.add_argument("--window-s", type=runtime.positive_float, default=240.0)
     fid.add_argument(
-        "--stream-chunk-ms",
-        type=runtime.positive_float,
-        default=10_000.0,
-        help="few events per stream: the client measures TTFT and the end, not every token",
+        "--stream-interval",
+        type=runtime.positive_int,
+        default=128,
+        help="decode steps per stream event: the client measures TTFT and the end, not every token",
     )
     sc = sub.add_parser("scale", help="16 MI355X in one process, streaming off")
     sc.add_argument("--workers", type=int, default=16)

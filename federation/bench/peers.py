@@ -2,7 +2,7 @@
 
 sglang-router knows no sites or regions: whoever runs it over two regions lists every worker URL
 and it balances over all of them. So `FlatRouter` starts the same emulated workers our site
-agents would run (profile, GPU count, speed, stream cadence), runs the router where our gateway
+agents would run (profile, GPU count, speed, stream interval), runs the router where our gateway
 runs, and puts each worker of a remote region behind the same user-space WAN link
 (`federation/linkproxy.py`, one process per region) that our gateway crosses to reach that
 site's agent: a request pays that round trip once either way.
@@ -77,13 +77,22 @@ ROUTER_FLAGS = (
 class FlatRouter:
     """Workers, WAN links and the router for one config; `endpoint` is the router's /v1."""
 
-    def __init__(self, config: Config, policy: str, *, stream_chunk_ms: float, log: IO[str] | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        policy: str,
+        *,
+        log: IO[str] | None = None,
+        worker_urls: dict[str, list[str]] | None = None,
+    ) -> None:
         if policy not in ROUTER_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(ROUTER_POLICIES)}, got {policy!r}")
         self.config = config
         self.policy = policy
-        self.stream_chunk_ms = stream_chunk_ms
         self.log = log  # where the workers' and links' log lines go (default: our stderr)
+        # Each site's workers when they run already (a federation's, measured in the same run);
+        # without it the router starts its own, as the sites' agents would.
+        self.worker_urls = worker_urls
         self.endpoint = ""
         self.children: list[Child] = []
         self._router_log: IO[str] | None = None
@@ -114,19 +123,23 @@ class FlatRouter:
     def _start_site(self, site: SiteConfig) -> list[str]:
         """The site's emulated workers; the URLs the router dials, through a WAN link if remote."""
         c = self.config
-        args = ["--profile", site.gpu, "--workers", str(site.gpus), "--speed", str(c.speed)]
-        args += ["--stream-chunk-ms", str(self.stream_chunk_ms), "--served-model-name", c.model]
-        workers = launch(args, host=c.host, log=self.log)
-        self.children.append(workers)
+        if self.worker_urls is not None:
+            urls = self.worker_urls[site.name]
+        else:
+            args = ["--profile", site.gpu, "--workers", str(site.gpus), "--speed", str(c.speed)]
+            args += ["--stream-interval", str(c.stream_interval), "--served-model-name", c.model]
+            workers = launch(args, host=c.host, log=self.log)
+            self.children.append(workers)
+            urls = workers.urls
         rtt_ms = c.rtt_between(site.region, c.gateway_region)
         if not rtt_ms:
-            return workers.urls
-        first = free_port_block(len(workers.urls), c.host)
+            return urls
+        first = free_port_block(len(urls), c.host)
         link_args = ["--rtt-ms", str(rtt_ms)]
-        for i, url in enumerate(workers.urls):
+        for i, url in enumerate(urls):
             link_args += ["--listen", f"{c.host}:{first + i}", "--target", url.removeprefix("http://")]
         self.children.append(start_python(f"link router->{site.name}", "federation.linkproxy", link_args, log=self.log))
-        return [f"http://{c.host}:{first + i}" for i in range(len(workers.urls))]
+        return [f"http://{c.host}:{first + i}" for i in range(len(urls))]
 
     def _start_router(self, worker_urls: list[str]) -> str:
         host = self.config.host

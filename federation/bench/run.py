@@ -35,10 +35,6 @@ from scheduler.policy import POLICIES
 # 32 emulated GPUs, ~18 k open streams and every hop of the federation on two cores: a
 # half of real speed keeps the CPU out of the measurement (see docs/BENCHMARKS.md).
 BENCH_SPEED = 0.5
-# Emulated ms between a worker's stream events while benchmarking: ~18 k open streams at
-# SGLang's per-token pace would measure Python, not the scheduler. TTFT and the finish
-# time stay exact, so TTFT and TPOT are unaffected.
-BENCH_STREAM_CHUNK_MS = 4000.0
 DEFAULT_REQUESTS = 20_000
 BENCH_GATEWAY_PROCESSES = 2  # 24 k open requests need two processes' file descriptors
 SEARCH_STEPS = 4  # bisection steps of the Server rate search: the answer within ~1 % of Offline
@@ -96,7 +92,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speed", type=runtime.positive_float, default=None, help=f"emulated GPU speed (default {BENCH_SPEED})"
     )
-    p.add_argument("--stream-chunk-ms", type=runtime.positive_float, default=BENCH_STREAM_CHUNK_MS)
+    p.add_argument(
+        "--stream-interval",
+        type=runtime.positive_int,
+        default=1,
+        help="decode steps per worker stream event, as SGLang's --stream-interval (1: per token, a real site's "
+        "pace; more is coarser than real, and the JSON says so)",
+    )
     p.add_argument("--max-in-flight", type=runtime.positive_int, default=scenarios.MAX_IN_FLIGHT)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-mean", type=int, default=MLPERF_LIKE_OUTPUTS.mean)
@@ -106,10 +108,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
-def bench_config(path: Path | None, speed: float | None, policy: str, stream_chunk_ms: float) -> Config:
+def bench_config(path: Path | None, speed: float | None, policy: str, stream_interval: int) -> Config:
     """The federation to start, slowed down as a whole: GPUs and WAN round trips alike, so that
     a wall-clock second is `speed` GPU seconds everywhere; on ports free now (`_on_free_ports`)."""
-    config = load(path).with_overrides(speed=speed or BENCH_SPEED, policy=policy, stream_chunk_ms=stream_chunk_ms)
+    config = load(path).with_overrides(speed=speed or BENCH_SPEED, policy=policy, stream_interval=stream_interval)
     return _on_free_ports(
         dataclasses.replace(
             config,
@@ -211,10 +213,10 @@ def _federation(config: Config) -> Callable[[IO[str]], AbstractContextManager[tu
     return start
 
 
-def _router(config: Config, policy: str, stream_chunk_ms: float) -> Callable[[IO[str]], AbstractContextManager]:
+def _router(config: Config, policy: str) -> Callable[[IO[str]], AbstractContextManager]:
     @contextlib.contextmanager
     def start(log: IO[str]) -> Iterator[tuple[str, int]]:
-        with FlatRouter(config, policy, stream_chunk_ms=stream_chunk_ms, log=log) as router:
+        with FlatRouter(config, policy, log=log) as router:
             yield router.endpoint, router.max_open_streams
 
     return start
@@ -242,15 +244,16 @@ def main(args: argparse.Namespace) -> int:
         speed = args.speed or 1.0
         report = _measure(args.endpoint.rstrip("/"), samples, args, speed, args.policy)
         return _write(report, args.json)
-    config = bench_config(args.config, args.speed, args.policy, args.stream_chunk_ms)
+    config = bench_config(args.config, args.speed, args.policy, args.stream_interval)
     report = _run_on(_federation(config), samples, args, config.speed, config.policy)
+    report["stream_interval"] = config.stream_interval  # decode steps per worker event: 1 is a real site's pace
     comparisons = {}
     for policy in args.compare:
         other = dataclasses.replace(config, policy=policy)
         comparisons[policy] = _run_on(_federation(other), samples, args, config.speed, policy)
     for policy in args.peers:
         name = f"sglang-router {policy}"
-        start = _router(config, policy, args.stream_chunk_ms)
+        start = _router(config, policy)
         comparisons[name] = _run_on(start, samples, args, config.speed, name)
     if comparisons:
         report["comparisons"] = comparisons
@@ -302,9 +305,9 @@ def _loadgen(args: argparse.Namespace, samples: list[Sample]) -> int:
 
     if args.endpoint:
         return _write(go(args.endpoint.rstrip("/"), args.speed or 1.0), args.json)
-    config = bench_config(args.config, args.speed, args.policy, args.stream_chunk_ms)
+    config = bench_config(args.config, args.speed, args.policy, args.stream_interval)
     with running(config) as endpoint:
-        return _write(go(endpoint, config.speed), args.json)
+        return _write({**go(endpoint, config.speed), "stream_interval": config.stream_interval}, args.json)
 
 
 def _write(report: dict[str, Any], path: Path | None) -> int:

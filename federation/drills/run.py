@@ -124,6 +124,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--slowdown", type=runtime.positive_float, default=BROWNOUT_FACTOR, help="site-brownout: how much slower"
     )
+    p.add_argument(
+        "--stream-interval",
+        type=runtime.positive_int,
+        default=1,
+        help="decode steps per worker stream event (1: per token, as a real site; the JSON records it)",
+    )
     p.add_argument("--output-mean", type=int, default=DRILL_OUTPUT_TOKENS.mean)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
@@ -133,7 +139,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def drill_config(args: argparse.Namespace) -> Config:
     """The bench's slowed federation (on free ports, every site's workers on known ones), with
     as many gateway processes as the open requests need (one for the usual 18,000)."""
-    base = bench_config(args.config, args.speed, "least_expected_delay", stream_chunk_ms=1000.0)
+    base = bench_config(args.config, args.speed, "least_expected_delay", args.stream_interval)
     return dataclasses.replace(base, gateway_processes=math.ceil(args.open_requests / GATEWAY_STREAMS_PER_PROCESS))
 
 
@@ -371,6 +377,8 @@ def _report(
             k: round(v) for k, v in line.outstanding_means(after_start_s, after_end_s).items()
         },
         "speed": args.speed,
+        # decode steps per worker stream event: 1 is a real site's pace (None: the endpoint's own)
+        "stream_interval": None if args.endpoint else args.stream_interval,
         "open_requests": args.open_requests,
         "errors": errors,
     }

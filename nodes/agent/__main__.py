@@ -61,10 +61,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--speed", type=float, default=1.0, help="emulated GPU speed (with --emulate)")
     p.add_argument("--emulator-port", type=int, default=None, help="first worker port (with --emulate)")
     p.add_argument(
-        "--emulator-stream-chunk-ms",
-        type=float,
-        default=None,
-        help="emulated ms between stream events (with --emulate)",
+        "--emulator-stream-interval",
+        type=runtime.positive_int,
+        default=1,
+        help="decode steps between a stream's events, as SGLang's --stream-interval (with --emulate)",
     )
     args = p.parse_args(argv)
     if args.gpus < 1:
@@ -87,7 +87,7 @@ async def serve(args: argparse.Namespace) -> int:
                 "--served-model-name",
                 args.model,
                 "--incremental-streaming-output",  # deltas: no answer repeated in every event
-                *(["--stream-chunk-ms", str(args.emulator_stream_chunk_ms)] if args.emulator_stream_chunk_ms else []),
+                *("--stream-interval", str(args.emulator_stream_interval)),
             ],
             port=args.emulator_port,
         )

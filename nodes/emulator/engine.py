@@ -15,6 +15,12 @@ What SGLang does that this keeps: FCFS waiting queue; admission limited by
 prefill mixed into the decode step (`a + b·B + κ·ΣL/1000 + ρ·n_prefill`); the
 prefill step emitting the first token; retraction of the sequence with the least
 output when the pool runs out, which then re-prefills its prompt and output.
+
+Streaming clients wait for steps, not for time: `call_at_tokens` turns "my next output
+point" into the global step that produces it, and the engine keeps those callbacks by step
+with a single timer at the completion of the earliest step that ends inside the current
+stretch (the stretch's own end releases the rest). A full batch streaming per token thus
+costs one timer per step, not one per stream per step.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ import enum
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from nodes.emulator.profiles import GpuProfile
+from nodes.emulator.wakeups import StepWakeups
 
 INIT_NEW_TOKEN_RATIO = 0.7  # SGLang's init_new_token_ratio (schedule_conservativeness 1.0)
 MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14  # SGLang's min_new_token_ratio
@@ -69,6 +77,9 @@ class Sequence:
     retractions: int = 0
     first_token: asyncio.Future[None] = field(default_factory=lambda: _new_future())
     done: asyncio.Future[None] = field(default_factory=lambda: _new_future())
+    wake: Callable[[], None] | None = None  # a streaming client's call for `wake_tokens`
+    wake_tokens: int = 0
+    wake_step: float = math.inf  # the step it is filed under (inf: not filed, not running)
 
 
 def _new_future() -> asyncio.Future[None]:
@@ -78,6 +89,11 @@ def _new_future() -> asyncio.Future[None]:
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _settle(fut: asyncio.Future[bool], value: bool) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 class EngineListener(Protocol):
@@ -157,9 +173,19 @@ class Engine:
         self._new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._segment: _Segment | None = None
         self._event_t = math.inf
-        self._waker: asyncio.Future[None] | None = None
+        self._waker: asyncio.Future[bool] | None = None
         self._aborted: list[Sequence] = []
         self.retractions = 0
+        self._wakeups: StepWakeups[Sequence] = StepWakeups()
+        self._wake_timer: asyncio.TimerHandle | None = None
+        self._wake_step = 0  # the step `_wake_timer` releases
+        self._rearm_below: float = -math.inf  # a call filed under an earlier step needs a new timer
+        # Steps whose completion was announced to waiters: the clock never shows fewer,
+        # even when a timer fires a little early (uvloop rounds them to the millisecond).
+        self._announced_steps = 0
+        # (loop time, steps_at it), kept until the plan or the announced steps change: the ~1,000
+        # streams called at one step all ask at the same (millisecond, under uvloop) time.
+        self._clock: tuple[float, int] = (math.nan, 0)
 
     # ---- what callers use -------------------------------------------------------
 
@@ -178,6 +204,7 @@ class Engine:
         self._aborted.append(seq)
         _resolve(seq.first_token)
         _resolve(seq.done)
+        self._call_wake(seq)
         self._notify(self._loop.time())
 
     def set_slowdown(self, factor: float) -> None:
@@ -193,9 +220,29 @@ class Engine:
         steps = self.steps_at(self._loop.time() if now is None else now)
         return min(seq.generated + steps - seq.join_step, seq.target_tokens)
 
+    def call_at_tokens(self, seq: Sequence, tokens: int, callback: Callable[[], None]) -> None:
+        """Call `callback()` once, when the step that gives `seq` its `tokens`-th token completes
+        or when `seq` ends (finished or aborted), whichever comes first; the last token counts
+        only with the finish. One call is pending per sequence: a new one replaces it. The
+        callback runs inside the engine, so it must not raise; it re-reads `generated_tokens`,
+        since a retraction can make the call come before the token."""
+        if seq.done.done():
+            callback()
+            return
+        seq.wake, seq.wake_tokens, seq.wake_step = callback, tokens, math.inf
+        if seq.state is SeqState.RUNNING:
+            self._file_wake(seq)
+        elif seq.generated >= tokens:
+            self._call_wake(seq)
+        # Otherwise waiting or prefilling: `_join_running` files it when the sequence is back.
+
     def steps_at(self, now: float) -> int:
-        seg = self._segment
-        return self.steps + (seg.completed(now) if seg is not None else 0)
+        t, steps = self._clock
+        if now != t:
+            seg = self._segment
+            steps = max(self.steps + (seg.completed(now) if seg is not None else 0), self._announced_steps)
+            self._clock = (now, steps)
+        return steps
 
     def steps_done(self) -> int:
         """Forward steps this GPU has completed so far (each decodes every running sequence)."""
@@ -238,35 +285,99 @@ class Engine:
                 self._event_t = math.inf
                 continue
             self._segment = seg
+            self._clock = (math.nan, 0)
+            self._arm_wake_timer()
             while True:
                 if self._event_t < seg.end():
-                    seg.k_max = min(seg.k_max, seg.completed(self._event_t) + 1)
+                    # The batch changes after the step in progress (never before an announced one).
+                    seg.k_max = min(seg.k_max, self.steps_at(self._event_t) - self.steps + 1)
+                    self._clock = (math.nan, 0)
                     self._event_t = math.inf
+                    self._arm_wake_timer()
                 if not await self._sleep_until(seg.end()):
                     break
             self._segment = None
             self._event_t = math.inf
             self._finish_segment(seg)
+            self._arm_wake_timer()
 
     def _notify(self, t: float) -> None:
         self._event_t = min(self._event_t, t)
-        if self._waker is not None:
-            _resolve(self._waker)
+        if self._waker is not None and not self._waker.done():
+            self._waker.set_result(True)
 
     async def _sleep_until(self, when: float) -> bool:
-        """Sleep until `when` (loop time); True if an event woke us earlier."""
+        """Sleep until `when` (loop time); True if an event woke us earlier. A timer that
+        fired counts as `when` reached: uvloop may run it up to half a millisecond early,
+        and re-reading its millisecond clock would spin until the next tick."""
         if when <= self._loop.time():
             return False
-        fut = self._loop.create_future()
+        fut: asyncio.Future[bool] = self._loop.create_future()
         self._waker = fut
-        timer = self._loop.call_at(when, _resolve, fut) if when < math.inf else None
+        timer = self._loop.call_at(when, _settle, fut, False) if when < math.inf else None
         try:
-            await fut
+            return await fut
         finally:
             self._waker = None
             if timer is not None:
                 timer.cancel()
-        return self._loop.time() < when
+
+    # ---- streaming clients waiting for steps --------------------------------------
+
+    def _file_wake(self, seq: Sequence) -> None:
+        """File a running sequence's pending call under the step that makes its token."""
+        step = seq.join_step + seq.wake_tokens - seq.generated
+        if step >= seq.finish_step:
+            return  # its finish calls it (`_finish`)
+        seq.wake_step = step
+        self._wakeups.add(step, seq)
+        if step < self._rearm_below:
+            self._arm_wake_timer()
+
+    def _release_wakes(self, step: int) -> None:
+        """Make the calls filed under steps up to `step`; entries left behind by a retraction or
+        a replaced call no longer match their sequence's `wake_step` and are skipped."""
+        for seq in self._wakeups.pop_due(step):
+            if seq.wake_step <= step:
+                self._call_wake(seq)
+
+    @staticmethod
+    def _call_wake(seq: Sequence) -> None:
+        callback, seq.wake, seq.wake_step = seq.wake, None, math.inf
+        if callback is not None:
+            callback()
+
+    def _arm_wake_timer(self) -> None:
+        """One timer, at the completion of the earliest awaited step that ends inside the current
+        stretch; the stretch's last step needs none (`_finish_segment` releases its waiters).
+        Between stretches none is needed: `run` arms when the next one is planned."""
+        step, seg = self._wakeups.first(), self._segment
+        if seg is None:
+            self._rearm_below = -math.inf
+            step = None
+        else:
+            last = self.steps + seg.k_max
+            if step is not None and step < last:
+                self._rearm_below = step
+                if self._wake_timer is not None and step == self._wake_step:
+                    return
+                when = seg.t0 + seg.duration(step - self.steps)
+            else:
+                self._rearm_below = last
+                step = None
+        if self._wake_timer is not None:
+            self._wake_timer.cancel()
+            self._wake_timer = None
+        if step is not None:
+            self._wake_step = step
+            self._wake_timer = self._loop.call_at(when, self._on_wake_timer)
+
+    def _on_wake_timer(self) -> None:
+        self._wake_timer = None
+        self._announced_steps = max(self._announced_steps, self._wake_step)
+        self._clock = (math.nan, 0)
+        self._release_wakes(self._wake_step)
+        self._arm_wake_timer()
 
     # ---- planning a stretch of steps -------------------------------------------
 
@@ -346,6 +457,7 @@ class Engine:
 
     def _finish_segment(self, seg: _Segment) -> None:
         self.steps += seg.k_max
+        self._clock = (math.nan, 0)
         self.boundary_t = seg.end()
         decay = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / NEW_TOKEN_RATIO_DECAY_STEPS
         self._new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self._new_token_ratio - decay * seg.k_max)
@@ -356,6 +468,7 @@ class Engine:
             if self._is_live(entry):
                 self._leave_running(entry[2])
                 self._finish(entry[2])
+        self._release_wakes(self.steps)
 
     @staticmethod
     def _is_live(entry: tuple[int, int, Sequence]) -> bool:
@@ -402,6 +515,11 @@ class Engine:
         seq.finish_step = seq.join_step + seq.target_tokens - seq.generated
         self._heap_tiebreak += 1
         heapq.heappush(self._finish_heap, (seq.finish_step, self._heap_tiebreak, seq))
+        if seq.wake is not None:
+            if seq.generated >= seq.wake_tokens:
+                self._call_wake(seq)
+            else:
+                self._file_wake(seq)
 
     def _leave_running(self, seq: Sequence) -> None:
         """Bank a running sequence's tokens at the current boundary and remove it."""
@@ -411,6 +529,7 @@ class Engine:
         self._len_base_sum -= seq.prompt_tokens + seq.generated
         self._emitted += produced
         seq.generated += produced
+        seq.wake_step = math.inf  # a pending call waits to be filed again (`_join_running`)
 
     def _finish(self, seq: Sequence) -> None:
         self._reserved -= seq.reserve_tokens
@@ -418,6 +537,7 @@ class Engine:
         seq.finished_at = self.boundary_t
         _resolve(seq.first_token)
         _resolve(seq.done)
+        self._call_wake(seq)
         if self._listener is not None:
             self._listener.on_finish(seq)
 

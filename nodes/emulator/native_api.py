@@ -23,6 +23,7 @@ from nodes.emulator.params import (
     RequestError,
     check_sampling_contract,
 )
+from nodes.emulator.streaming import EventStream
 from nodes.emulator.web_common import (
     SSE_DONE,
     WORKER_KEY,
@@ -83,15 +84,25 @@ def generate_spec(worker: EmulatedWorker, body: dict[str, Any]) -> GenerateSpec:
 
 def meta_info(gen: Generation, completion_tokens: int) -> dict[str, Any]:
     finish = gen.finish_reason()
-    meta: dict[str, Any] = {"id": gen.spec.rid, "finish_reason": finish}
-    if not gen.aborted_in_queue:
-        meta["prompt_tokens"] = gen.spec.prompt_tokens
-    meta["weight_version"] = "default"
-    if not gen.aborted_in_queue:
-        meta.update(num_retractions=gen.seq.retractions, reasoning_tokens=0)
-    meta["completion_tokens"] = completion_tokens
-    if not gen.aborted_in_queue:
-        meta["cached_tokens"] = 0
+    if gen.aborted_in_queue:
+        return {
+            "id": gen.spec.rid,
+            "finish_reason": finish,
+            "weight_version": "default",
+            "completion_tokens": completion_tokens,
+            "e2e_latency": gen.e2e_latency_s(),
+            "response_sent_to_client_ts": time.time(),
+        }
+    meta: dict[str, Any] = {
+        "id": gen.spec.rid,
+        "finish_reason": finish,
+        "prompt_tokens": gen.spec.prompt_tokens,
+        "weight_version": "default",
+        "num_retractions": gen.seq.retractions,
+        "reasoning_tokens": 0,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": 0,
+    }
     if finish is not None:
         meta["e2e_latency"] = gen.e2e_latency_s()
         meta["response_sent_to_client_ts"] = time.time()
@@ -114,25 +125,24 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return await sse_reply(request, [sse({"error": error}), SSE_DONE])
     try:
         if not stream:
-            await gen.seq.done
+            await gen.ended()
             return json_response(_generate_event(gen, gen.tokens_now(), 0))
         response = await start_sse(request)
-        sent = 0
-        async for k in gen.progress():
-            await response.write(sse(_generate_event(gen, k, sent)))
-            if worker.config.incremental_streaming_output:
-                sent = k
-        await response.write(SSE_DONE)
+        incremental = worker.config.incremental_streaming_output
+
+        def event(since: int, k: int) -> bytes:
+            return sse(_generate_event(gen, k, since if incremental else 0))
+
+        sent = await EventStream(gen, request, response, event).run()
+        await response.write(event(sent, gen.tokens_now()) + SSE_DONE)
         return response
     finally:
         worker.release(gen)
 
 
 def _generate_event(gen: Generation, k: int, since: int) -> dict[str, Any]:
-    text, ids = gen.text_and_ids(k)
-    if since:
-        done_text = gen.text_and_ids(since)[0]
-        text, ids = text[len(done_text) :], ids[since:]
+    """Everything after `since` tokens up to `k` (since = 0: cumulative)."""
+    text, ids = gen.output(since, k)
     return {"text": text, "output_ids": ids, "meta_info": meta_info(gen, k)}
 
 
@@ -189,7 +199,7 @@ def _server_args(worker: EmulatedWorker) -> dict[str, Any]:
         "max_running_requests": e.max_running_requests,
         "schedule_policy": "fcfs",
         "schedule_conservativeness": 1.0,
-        "stream_interval": 1,
+        "stream_interval": c.stream_interval,
         "incremental_streaming_output": c.incremental_streaming_output,
         "enable_metrics": True,
         "enable_mixed_chunk": True,

@@ -8,7 +8,7 @@ counted, as the gpt-oss chat template would render them.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
 from datetime import date
 from typing import Any
 
@@ -22,6 +22,7 @@ from nodes.emulator.params import (
     ContractError,
     RequestError,
 )
+from nodes.emulator.streaming import EventStream
 from nodes.emulator.web_common import (
     SSE_DONE,
     WORKER_KEY,
@@ -196,7 +197,7 @@ async def _serve(
     prompt_tokens: Callable[[dict[str, Any]], int],
     default_max: int | None,
     whole: Callable[[dict[str, Any], Generation], dict[str, Any]],
-    chunks: Callable[[dict[str, Any], Generation], AsyncIterator[dict[str, Any]]],
+    stream: Callable[[web.Request, web.StreamResponse, dict[str, Any], Generation], Awaitable[None]],
 ) -> web.StreamResponse:
     """Validate, submit, then answer whole or as SSE chunks; abort if the client leaves."""
     worker = request.app[WORKER_KEY]
@@ -212,11 +213,10 @@ async def _serve(
     try:
         if spec.streaming:
             response = await start_sse(request)
-            async for event in chunks({**body, "stream_options": stream_options}, gen):
-                await response.write(sse(event))
+            await stream(request, response, {**body, "stream_options": stream_options}, gen)
             await response.write(SSE_DONE)
             return response
-        await gen.seq.done
+        await gen.ended()
         return json_response(whole(body, gen))
     finally:
         worker.release(gen)
@@ -242,7 +242,7 @@ def _chat_body(body: dict[str, Any], gen: Generation) -> dict[str, Any]:
                 "index": 0,
                 "message": {
                     "role": "assistant",
-                    "content": gen.text_and_ids(k)[0],
+                    "content": gen.output(0, k)[0],
                     "reasoning_content": None,
                 },
                 "logprobs": None,
@@ -255,7 +255,9 @@ def _chat_body(body: dict[str, Any], gen: Generation) -> dict[str, Any]:
     }
 
 
-async def _chat_chunks(body: dict[str, Any], gen: Generation) -> AsyncIterator[dict[str, Any]]:
+async def _chat_stream(
+    request: web.Request, response: web.StreamResponse, body: dict[str, Any], gen: Generation
+) -> None:
     head = _head(body, gen, "chat.completion.chunk")
     options = body["stream_options"]
     continuous = bool(options.get("continuous_usage_stats"))
@@ -269,21 +271,25 @@ async def _chat_chunks(body: dict[str, Any], gen: Generation) -> AsyncIterator[d
             "matched_stop": matched,
         }
 
-    yield {**head, "choices": [choice({"reasoning_content": None, "role": "assistant", "content": ""})]}
-    sent_text, k = "", 0
-    async for k in gen.progress():
-        text = gen.text_and_ids(k)[0]
-        delta = text[len(sent_text) :]
-        if delta:
-            sent_text = text
-            chunk = {**head, "choices": [choice({"reasoning_content": None, "content": delta})]}
-            if continuous:
-                chunk["usage"] = _usage(gen, k)
-            yield chunk
+    def content(since: int, k: int) -> bytes | None:
+        delta = gen.output(since, k)[0]
+        if not delta:
+            return None
+        chunk = {**head, "choices": [choice({"reasoning_content": None, "content": delta})]}
+        if continuous:
+            chunk["usage"] = _usage(gen, k)
+        return sse(chunk)
+
+    await response.write(
+        sse({**head, "choices": [choice({"reasoning_content": None, "role": "assistant", "content": ""})]})
+    )
+    sent = await EventStream(gen, request, response, content).run()
+    k = gen.tokens_now()
     finish, matched = _finish(gen)
-    yield {**head, "choices": [choice({"reasoning_content": None}, finish, matched)]}
+    tail = [content(sent, k), sse({**head, "choices": [choice({"reasoning_content": None}, finish, matched)]})]
     if options.get("include_usage"):
-        yield {**head, "choices": [], "usage": _usage(gen, k)}
+        tail.append(sse({**head, "choices": [], "usage": _usage(gen, k)}))
+    await response.write(b"".join(chunk for chunk in tail if chunk))
 
 
 def _completion_body(body: dict[str, Any], gen: Generation) -> dict[str, Any]:
@@ -294,7 +300,7 @@ def _completion_body(body: dict[str, Any], gen: Generation) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "text": gen.text_and_ids(k)[0],
+                "text": gen.output(0, k)[0],
                 "logprobs": None,
                 "finish_reason": finish,
                 "matched_stop": matched,
@@ -305,36 +311,31 @@ def _completion_body(body: dict[str, Any], gen: Generation) -> dict[str, Any]:
     }
 
 
-async def _completion_chunks(body: dict[str, Any], gen: Generation) -> AsyncIterator[dict[str, Any]]:
+async def _completion_stream(
+    request: web.Request, response: web.StreamResponse, body: dict[str, Any], gen: Generation
+) -> None:
     head = _head(body, gen, "text_completion")
     continuous = bool(body["stream_options"].get("continuous_usage_stats"))
-    sent_text, k = "", 0
-    async for k in gen.progress():
-        text = gen.text_and_ids(k)[0]
+
+    def piece(since: int, k: int) -> bytes | None:
+        delta = gen.output(since, k)[0]
         finish, matched = _finish(gen)
-        delta = text[len(sent_text) :]
-        if delta or finish is not None:
-            sent_text = text
-            yield {
-                **head,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": delta,
-                        "logprobs": None,
-                        "finish_reason": finish,
-                        "matched_stop": matched,
-                    }
-                ],
-                "usage": _usage(gen, k) if continuous else None,
-            }
+        if not delta and finish is None:
+            return None
+        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+        return sse({**head, "choices": [choice], "usage": _usage(gen, k) if continuous else None})
+
+    sent = await EventStream(gen, request, response, piece).run()
+    k = gen.tokens_now()
+    tail = [piece(sent, k)]
     if body["stream_options"].get("include_usage"):
         usage = {k_: v for k_, v in _usage(gen, k).items() if v is not None}
-        yield {**head, "choices": [], "usage": usage}
+        tail.append(sse({**head, "choices": [], "usage": usage}))
+    await response.write(b"".join(chunk for chunk in tail if chunk))
 
 
 async def handle_chat(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, _chat_prompt_tokens, None, _chat_body, _chat_chunks)
+    return await _serve(request, _chat_prompt_tokens, None, _chat_body, _chat_stream)
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
@@ -343,7 +344,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
         _completion_prompt_tokens,
         COMPLETIONS_DEFAULT_MAX_TOKENS,
         _completion_body,
-        _completion_chunks,
+        _completion_stream,
     )
 
 

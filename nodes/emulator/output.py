@@ -35,6 +35,7 @@ class GenerateSpec:
     no_stop_trim: bool = False
     seed: int | None = None
     streaming: bool = False
+    stream_interval: int | None = None  # sampling_params.stream_interval; None: the server's
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,17 @@ class OutputPlan:
             ids.append(EOS_TOKEN_ID)
         if k == self.tokens and self.final_chars is not None:
             text = text[: self.final_chars]
+        return text, ids
+
+    def delta(self, synth: SyntheticText, since: int, k: int) -> tuple[str, list[int]]:
+        """Text and ids added between `since` and `k` tokens: what an incremental stream event
+        carries. Before the final token it is a plain window, O(k - since) per event; the final
+        one may hide EOS and trim a stop string, so it is cut from the whole answer."""
+        if k < self.tokens:
+            return synth.window(self.offset + since, k - since)
+        text, ids = self.text_and_ids(synth, k)
+        if since:
+            return text[len(self.text_and_ids(synth, since)[0]) :], ids[since:]
         return text, ids
 
 

@@ -135,6 +135,7 @@ class Sampling:
     ignore_eos: bool
     no_stop_trim: bool
     seed: int | None
+    stream_interval: int | None
 
 
 def verify_sampling(sp: dict[str, Any], *, default_max_new_tokens: int | None) -> Sampling:
@@ -169,6 +170,9 @@ def verify_sampling(sp: dict[str, Any], *, default_max_new_tokens: int | None) -
         raise RequestError("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
     if (sp.get("n") or 1) != 1:
         raise RequestError("The emulator serves n = 1 only; send one request per sample.")
+    stream_interval = sp.get("stream_interval")
+    if stream_interval is not None and stream_interval < 1:
+        raise RequestError(f"stream_interval must be a positive integer, got {stream_interval}.")
     stop = sp.get("stop") or ()
     return Sampling(
         max_new_tokens=max_new,
@@ -178,6 +182,7 @@ def verify_sampling(sp: dict[str, Any], *, default_max_new_tokens: int | None) -
         ignore_eos=bool(sp.get("ignore_eos")),
         no_stop_trim=bool(sp.get("no_stop_trim")),
         seed=sp.get("sampling_seed"),
+        stream_interval=stream_interval,
     )
 
 

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from nodes.emulator import native_api, openai_api
 from nodes.emulator.params import BodyError
+from nodes.emulator.streaming import OUTBOX_KEY, Outbox
 from nodes.emulator.web_common import WORKER_KEY, json_response, openai_error, read_json_object
 from nodes.emulator.worker import EmulatedWorker, Faults, WorkerConfig
 
@@ -104,6 +105,7 @@ class WorkerServer:
         self.worker = EmulatedWorker(config, faults)
         app = web.Application(middlewares=[body_error_middleware, fault_middleware], client_max_size=64 * 1024**2)
         app[WORKER_KEY] = self.worker
+        app[OUTBOX_KEY] = Outbox()
         app[SERVER_KEY] = self
         for method, path, handler in native_api.ROUTES + openai_api.ROUTES:
             app.router.add_route(method, path, handler)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +34,9 @@ class WorkerConfig:
     tokenizer_path: str = "openai/gpt-oss-120b"
     mean_output_tokens: float = 1278.0  # MLPerf gpt-oss-120b mean output length
     max_running_requests: int | None = None
-    stream_chunk_ms: float = 100.0  # emulated ms between SSE events of one stream
+    # Decode steps between a stream's events, SGLang's --stream-interval: 1 (its default) is an
+    # event per token; a request's sampling_params.stream_interval overrides it.
+    stream_interval: int = 1
     context_length: int = MODEL_CONTEXT_TOKENS
     incremental_streaming_output: bool = False
 
@@ -61,11 +62,21 @@ class Generation:
     def finished(self) -> bool:
         return self.seq.done.done()
 
+    async def ended(self) -> None:
+        """Wait for the finish or an abort. Shielded: a cancelled handler (its client left) must
+        not cancel the engine's future, or the request would look finished and never be aborted."""
+        await asyncio.shield(self.seq.done)
+
     def tokens_now(self) -> int:
         return self.worker.engine.generated_tokens(self.seq)
 
-    def text_and_ids(self, k: int) -> tuple[str, list[int]]:
-        return self.plan.text_and_ids(self.worker.synth, k)
+    def output(self, since: int, k: int) -> tuple[str, list[int]]:
+        """Text and ids between `since` and `k` tokens (0: from the start)."""
+        return self.plan.delta(self.worker.synth, since, k)
+
+    @property
+    def stream_interval(self) -> int:
+        return self.spec.stream_interval or self.worker.config.stream_interval
 
     @property
     def aborted_in_queue(self) -> bool:
@@ -84,24 +95,6 @@ class Generation:
         seq = self.seq
         end = seq.finished_at or asyncio.get_running_loop().time()
         return end - seq.arrived_at
-
-    async def progress(self) -> AsyncIterator[int]:
-        """Token counts as they grow: the first token as it is emitted, then at most one
-        count per chunk interval, then the final count when the request ends."""
-        interval = self.worker.config.stream_chunk_ms / 1000.0 / self.worker.config.speed
-        await self.seq.first_token
-        last = 1 if self.seq.first_token_at is not None and not self.finished else -1
-        if last == 1:
-            yield 1
-        while True:
-            await asyncio.wait((self.seq.done,), timeout=interval)
-            done = self.finished
-            n = self.tokens_now()
-            if n != last or done:
-                last = n
-                yield n
-            if done:
-                return
 
 
 class EmulatedWorker:
@@ -159,6 +152,7 @@ class EmulatedWorker:
             no_stop_trim=params.no_stop_trim,
             seed=params.seed,
             streaming=streaming,
+            stream_interval=params.stream_interval,
         )
 
     def set_slowdown(self, factor: float) -> None:
