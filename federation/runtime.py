@@ -32,7 +32,11 @@ GRPC_SERVER_OPTIONS = (
     # such pings must not count as abuse (by default a server answers them with GOAWAY).
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
     ("grpc.http2.max_ping_strikes", 0),
+    # A gateway's GenerateCommand carries its prompts; it sends at most GENERATE_COMMAND_BYTES
+    # of them per message, but one prompt may be the whole 64-MB body the gateway accepts.
+    ("grpc.max_receive_message_length", 80 * 1024**2),
 )
+GENERATE_COMMAND_BYTES = 4 * 1024**2
 
 # gRPC clients: after a peer was unreachable (a partition, a restart), reconnect within a
 # second of it coming back. grpc-core's default backoff grows to 120 s, so a site healed

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from proto import federation_pb2 as pb
 from proto import federation_pb2_grpc as pb_grpc
@@ -149,17 +150,41 @@ class GenerateRequest:
     sampling_params: dict[str, Any] = field(default_factory=dict)
     text: str = ""
     input_ids: tuple[int, ...] = ()
+    every_event: bool = False  # relay each worker event as its own delta, at once (see the proto)
 
 
 @dataclass(frozen=True, slots=True)
-class GenerateChunk:
+class GenerateCommand:
+    """What a gateway asks of an agent on its Generate call: generations to start (each with the
+    caller's number for it on this call) and to cancel."""
+
+    starts: tuple[tuple[int, GenerateRequest], ...] = ()
+    cancels: tuple[int, ...] = ()
+    refused: tuple[tuple[int, str], ...] = ()  # starts that could not be read, and why
+
+
+class StreamError(enum.Enum):
+    NONE = pb.STREAM_ERROR_NONE
+    REJECTED = pb.STREAM_ERROR_REJECTED
+    WORKER_FAILED = pb.STREAM_ERROR_WORKER_FAILED
+    SITE_FAILED = pb.STREAM_ERROR_SITE_FAILED
+
+
+class TokenDelta(NamedTuple):
+    """What one generation produced since its previous delta (see the proto). A NamedTuple, not a
+    dataclass like the others: one is built per stream per batch at each end, and a tuple is
+    built in a quarter of the time."""
+
+    stream: int
     text: str
     output_ids: tuple[int, ...]
     completion_tokens: int
     prompt_tokens: int
     finish_reason: dict[str, Any] | None = None
-    site: str = ""
     worker: str = ""
+    accepted_unix_s: float = 0.0
+    error: StreamError = StreamError.NONE
+    error_message: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,34 +239,45 @@ def federation_state_to_pb(s: FederationState) -> pb.FederationState:
     return pb.FederationState(sites=[site_state_to_pb(x) for x in s.sites], model=s.model, refused=refused)
 
 
-def generate_request_to_pb(r: GenerateRequest) -> pb.GenerateRequest:
+def _generate_request_to_pb(stream: int, r: GenerateRequest) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=r.request_id,
         text=r.text,
         input_ids=r.input_ids,
         sampling_params_json=json.dumps(r.sampling_params),
         prompt_tokens=r.prompt_tokens,
+        stream=stream,
+        every_event=r.every_event,
     )
 
 
-def chunk_to_pb(c: GenerateChunk) -> pb.GenerateChunk:
-    return pb.GenerateChunk(
-        text=c.text,
-        output_ids=c.output_ids,
-        completion_tokens=c.completion_tokens,
-        prompt_tokens=c.prompt_tokens,
-        finish_reason_json=json.dumps(c.finish_reason) if c.finish_reason is not None else "",
-        site=c.site,
-        worker=c.worker,
-    )
+def generate_command_to_pb(starts: Sequence[tuple[int, GenerateRequest]], cancels: Sequence[int]) -> pb.GenerateCommand:
+    return pb.GenerateCommand(start=[_generate_request_to_pb(n, r) for n, r in starts], cancel=cancels)
+
+
+def token_batch_to_pb(deltas: Sequence[TokenDelta]) -> pb.TokenBatch:
+    """At the token rate: the fields most deltas leave at their defaults are set only when not."""
+    batch = pb.TokenBatch()
+    add = batch.deltas.add
+    for d in deltas:
+        m = add(
+            stream=d.stream,
+            text=d.text,
+            output_ids=d.output_ids,
+            completion_tokens=d.completion_tokens,
+            prompt_tokens=d.prompt_tokens,
+        )
+        if d.finish_reason is not None:
+            m.finish_reason_json = json.dumps(d.finish_reason)
+        if d.worker:
+            m.worker, m.accepted_unix_s = d.worker, d.accepted_unix_s
+        if d.error is not StreamError.NONE:
+            m.error, m.error_message = d.error.value, d.error_message
+    return batch
 
 
 def state_request_to_pb(interval_s: float = 0.0) -> pb.StateRequest:
     return pb.StateRequest(interval_s=interval_s)
-
-
-def abort_reply_to_pb(found: bool) -> pb.AbortReply:
-    return pb.AbortReply(found=found)
 
 
 def join_request_to_pb(r: JoinRequest) -> pb.JoinRequest:
@@ -290,17 +326,43 @@ def federation_state_from_pb(m: pb.FederationState) -> FederationState:
     return FederationState(tuple(site_state_from_pb(s) for s in m.sites), m.model, refused)
 
 
-def generate_request_from_pb(m: pb.GenerateRequest) -> GenerateRequest:
-    """Raises ValueError when sampling_params_json is not a JSON object."""
-    params = json.loads(m.sampling_params_json) if m.sampling_params_json else {}
-    if not isinstance(params, dict):
-        raise ValueError("sampling_params_json must be a JSON object")
-    return GenerateRequest(m.request_id, m.prompt_tokens, params, m.text, tuple(m.input_ids))
+def generate_command_from_pb(m: pb.GenerateCommand) -> GenerateCommand:
+    """A start whose sampling_params_json is not a JSON object is `refused`, not raised: the
+    other starts of the same message go on."""
+    starts, refused = [], []
+    for r in m.start:
+        try:
+            params = json.loads(r.sampling_params_json) if r.sampling_params_json else {}
+        except ValueError:
+            params = None
+        if not isinstance(params, dict):
+            refused.append((r.stream, "sampling_params_json must be a JSON object"))
+            continue
+        request = GenerateRequest(r.request_id, r.prompt_tokens, params, r.text, tuple(r.input_ids), r.every_event)
+        starts.append((r.stream, request))
+    return GenerateCommand(tuple(starts), tuple(m.cancel), tuple(refused))
 
 
-def chunk_from_pb(m: pb.GenerateChunk) -> GenerateChunk:
-    finish = json.loads(m.finish_reason_json) if m.finish_reason_json else None
-    return GenerateChunk(m.text, tuple(m.output_ids), m.completion_tokens, m.prompt_tokens, finish, m.site, m.worker)
+_STREAM_ERRORS = {e.value: e for e in StreamError}
+
+
+def token_batch_from_pb(m: pb.TokenBatch) -> list[TokenDelta]:
+    """An error kind this gateway does not know (a newer agent's) is a site failure all the same."""
+    return [
+        TokenDelta(
+            d.stream,
+            d.text,
+            tuple(d.output_ids),
+            d.completion_tokens,
+            d.prompt_tokens,
+            json.loads(d.finish_reason_json) if d.finish_reason_json else None,
+            d.worker,
+            d.accepted_unix_s,
+            _STREAM_ERRORS.get(d.error, StreamError.SITE_FAILED),
+            d.error_message,
+        )
+        for d in m.deltas
+    ]
 
 
 def site_ref_from_pb(m: pb.SiteRef) -> str:
@@ -313,10 +375,6 @@ def site_ref_to_pb(site: str) -> pb.SiteRef:
 
 def state_request_from_pb(m: pb.StateRequest) -> float:
     return m.interval_s
-
-
-def abort_request_from_pb(m: pb.AbortRequest) -> str:
-    return m.request_id
 
 
 def join_request_from_pb(m: pb.JoinRequest) -> JoinRequest:

@@ -21,6 +21,13 @@ class Command(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMMAND_DRAIN: _ClassVar[Command]
     COMMAND_UNDRAIN: _ClassVar[Command]
     COMMAND_REMOVE: _ClassVar[Command]
+
+class StreamError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STREAM_ERROR_NONE: _ClassVar[StreamError]
+    STREAM_ERROR_REJECTED: _ClassVar[StreamError]
+    STREAM_ERROR_WORKER_FAILED: _ClassVar[StreamError]
+    STREAM_ERROR_SITE_FAILED: _ClassVar[StreamError]
 SITE_STATUS_UNSPECIFIED: SiteStatus
 SITE_STATUS_JOINING: SiteStatus
 SITE_STATUS_READY: SiteStatus
@@ -30,6 +37,10 @@ COMMAND_UNSPECIFIED: Command
 COMMAND_DRAIN: Command
 COMMAND_UNDRAIN: Command
 COMMAND_REMOVE: Command
+STREAM_ERROR_NONE: StreamError
+STREAM_ERROR_REJECTED: StreamError
+STREAM_ERROR_WORKER_FAILED: StreamError
+STREAM_ERROR_SITE_FAILED: StreamError
 
 class SiteRegistration(_message.Message):
     __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "model", "probe_batch", "probe_context_tokens", "probe_tok_s", "tokenizer")
@@ -208,48 +219,60 @@ class SiteRef(_message.Message):
     def __init__(self, site: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "input_ids", "sampling_params_json", "prompt_tokens")
+    __slots__ = ("request_id", "text", "input_ids", "sampling_params_json", "prompt_tokens", "stream", "every_event")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    EVERY_EVENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params_json: str
     prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    stream: int
+    every_event: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., stream: _Optional[int] = ..., every_event: _Optional[bool] = ...) -> None: ...
 
-class GenerateChunk(_message.Message):
-    __slots__ = ("text", "output_ids", "completion_tokens", "prompt_tokens", "finish_reason_json", "site", "worker")
+class GenerateCommand(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenDelta(_message.Message):
+    __slots__ = ("stream", "text", "output_ids", "completion_tokens", "prompt_tokens", "finish_reason_json", "worker", "accepted_unix_s", "error", "error_message")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_JSON_FIELD_NUMBER: _ClassVar[int]
-    SITE_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    stream: int
     text: str
     output_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_tokens: int
     prompt_tokens: int
     finish_reason_json: str
-    site: str
     worker: str
-    def __init__(self, text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., completion_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., finish_reason_json: _Optional[str] = ..., site: _Optional[str] = ..., worker: _Optional[str] = ...) -> None: ...
+    accepted_unix_s: float
+    error: StreamError
+    error_message: str
+    def __init__(self, stream: _Optional[int] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., completion_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., finish_reason_json: _Optional[str] = ..., worker: _Optional[str] = ..., accepted_unix_s: _Optional[float] = ..., error: _Optional[_Union[StreamError, str]] = ..., error_message: _Optional[str] = ...) -> None: ...
 
-class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
-class AbortReply(_message.Message):
-    __slots__ = ("found",)
-    FOUND_FIELD_NUMBER: _ClassVar[int]
-    found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+class TokenBatch(_message.Message):
+    __slots__ = ("deltas",)
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    deltas: _containers.RepeatedCompositeFieldContainer[TokenDelta]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("schedulers", "site", "region", "gpu", "gpus")

@@ -417,15 +417,10 @@ class SiteAgentStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Generate = channel.unary_stream(
+        self.Generate = channel.stream_stream(
                 '/federation.v1.SiteAgent/Generate',
-                request_serializer=proto_dot_federation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_federation__pb2.GenerateChunk.FromString,
-                _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/federation.v1.SiteAgent/Abort',
-                request_serializer=proto_dot_federation__pb2.AbortRequest.SerializeToString,
-                response_deserializer=proto_dot_federation__pb2.AbortReply.FromString,
+                request_serializer=proto_dot_federation__pb2.GenerateCommand.SerializeToString,
+                response_deserializer=proto_dot_federation__pb2.TokenBatch.FromString,
                 _registered_method=True)
         self.Join = channel.unary_unary(
                 '/federation.v1.SiteAgent/Join',
@@ -438,15 +433,13 @@ class SiteAgentServicer:
     """One per site, in front of its SGLang workers.
     """
 
-    def Generate(self, request, context):
-        """Token chunks of one generation, coalesced in time; the last one carries finish_reason_json.
+    def Generate(self, request_iterator, context):
+        """The token path between one gateway process and this site, multiplexed both ways: the
+        gateway starts and cancels generations on it; the agent sends their tokens back, many
+        generations' deltas per message (each generation's first token and its end at once, the
+        rest gathered over a short window). A gateway process keeps one such call per site open;
+        if the call breaks, every generation on it fails over.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -464,15 +457,10 @@ class SiteAgentServicer:
 
 def add_SiteAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Generate': grpc.unary_stream_rpc_method_handler(
+            'Generate': grpc.stream_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_federation__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_federation__pb2.GenerateChunk.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=proto_dot_federation__pb2.AbortRequest.FromString,
-                    response_serializer=proto_dot_federation__pb2.AbortReply.SerializeToString,
+                    request_deserializer=proto_dot_federation__pb2.GenerateCommand.FromString,
+                    response_serializer=proto_dot_federation__pb2.TokenBatch.SerializeToString,
             ),
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
@@ -492,7 +480,7 @@ class SiteAgent:
     """
 
     @staticmethod
-    def Generate(request,
+    def Generate(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -502,39 +490,12 @@ class SiteAgent:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/federation.v1.SiteAgent/Generate',
-            proto_dot_federation__pb2.GenerateRequest.SerializeToString,
-            proto_dot_federation__pb2.GenerateChunk.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/federation.v1.SiteAgent/Abort',
-            proto_dot_federation__pb2.AbortRequest.SerializeToString,
-            proto_dot_federation__pb2.AbortReply.FromString,
+            proto_dot_federation__pb2.GenerateCommand.SerializeToString,
+            proto_dot_federation__pb2.TokenBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-import grpc
 import pytest
 
 from federation import wire
+from federation.gateway.upstream import SiteStream, Upstream
 from federation.processes import free_port_block, start_python
 from nodes.agent.pool import HEADROOM_MIN
 from nodes.emulator.launch import launch
@@ -34,16 +34,25 @@ async def test_requests_beyond_the_workers_limits_wait_at_the_agent_and_all_comp
     agent = start_python("agent", "nodes.agent", agent_args)
     peak = {url: 0 for url in emulator.urls}
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel, aiohttp.ClientSession() as http:
-            stub = wire.SiteAgentStub(channel)
+        upstream = Upstream()
+        async with aiohttp.ClientSession() as http:
 
             async def one(i: int) -> int:
                 req = wire.GenerateRequest(
                     f"q{i}", 8, {"max_new_tokens": 40, "ignore_eos": True}, input_ids=tuple(range(1000, 1008))
                 )
                 tokens = 0
-                async for pb in stub.Generate(wire.generate_request_to_pb(req), timeout=60):
-                    tokens = wire.chunk_from_pb(pb).completion_tokens
+
+                def deliver(stream: SiteStream, delta: wire.TokenDelta) -> None:
+                    nonlocal tokens
+                    tokens = delta.completion_tokens
+
+                stream = upstream.start(f"127.0.0.1:{port}", req, deliver)
+                try:
+                    async with asyncio.timeout(60):
+                        await stream.done
+                finally:
+                    stream.close()
                 return tokens
 
             async def watch() -> None:
@@ -57,6 +66,7 @@ async def test_requests_beyond_the_workers_limits_wait_at_the_agent_and_all_comp
             watcher = asyncio.ensure_future(watch())
             results = await asyncio.gather(*(one(i) for i in range(REQUESTS)))
             watcher.cancel()
+        await upstream.close()
     finally:
         agent.stop()
         emulator.stop()

@@ -27,8 +27,9 @@ from federation.errors import BadRequest, FederationError, TooBusy
 from federation.gateway import admission, jobs, metrics
 from federation.gateway.admission import Admission
 from federation.gateway.failover import FailoverConfig, Generation, SiteBreakers
-from federation.gateway.responses import Answer
+from federation.gateway.responses import Answer, sse
 from federation.gateway.schedulers import Schedulers
+from federation.gateway.sse import Collected, SseClient, WriteBatch
 from federation.gateway.upstream import Upstream
 
 log = structlog.get_logger("gateway")
@@ -51,6 +52,7 @@ UPSTREAM_KEY = web.AppKey("upstream", Upstream)
 SCHEDULERS_KEY = web.AppKey("schedulers", Schedulers)
 ADMISSION_KEY = web.AppKey("admission", Admission)
 BREAKERS_KEY = web.AppKey("breakers", SiteBreakers)
+WRITES_KEY = web.AppKey("writes", WriteBatch)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -94,17 +96,24 @@ async def _body(request: web.Request) -> dict[str, Any]:
 
 async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web.StreamResponse:
     app, config = request.app, request.app[CONFIG_KEY]
+    received_unix_s, started = time.time(), time.monotonic()
     request_id = _request_id(request)
     budget = admission.budget_s(request.headers.get(admission.BUDGET_HEADER), config.ttft_budget_ms)
     job = make_job(
         await _body(request), request_id=request_id, served_model=config.model, context_tokens=config.context_tokens
     )
     bound = log.bind(request_id=request_id, kind=job.kind, stream=job.stream)
-    started = time.monotonic()
-    outcome, answer, ttft_ms, error = "error", Answer(job), None, None
+    outcome, answer, error = "error", Answer(job), None
     route = wire.RouteRequest(
         request_id, job.request.prompt_tokens, job.max_tokens, request.headers.get("X-Client-Region", "")
     )
+
+    def headers() -> dict[str, str]:
+        """Said once the answer has begun: which site, and the hop from here to its agent."""
+        hop_ms = max(0.0, (generation.accepted_unix_s - received_unix_s) * 1000) if generation.accepted_unix_s else 0.0
+        return {"X-Request-Id": request_id, "X-Federation-Site": answer.site, "Server-Timing": f"hop;dur={hop_ms:.2f}"}
+
+    out = SseClient(request, answer, app[WRITES_KEY], headers) if job.stream else Collected(answer)
     generation = Generation(
         job,
         route,
@@ -113,19 +122,26 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         app[UPSTREAM_KEY],
         app[BREAKERS_KEY],
         config.failover,
+        out,
     )
-    chunks = generation.chunks()
     try:
-        first = await anext(chunks)
-        ttft_ms = (time.monotonic() - started) * 1000
-        answer.add(first)
-        headers = {"X-Request-Id": request_id, "X-Federation-Site": first.site}
-        if not job.stream:
-            async for chunk in chunks:
-                answer.add(chunk)
-            response = _json(answer.body(time.monotonic() - started), headers=headers)
+        try:
+            await generation.run()
+        except FederationError as exc:
+            if not isinstance(out, SseClient) or out.response is None:
+                raise  # nothing sent yet: the client gets the error as the response
+            answer.error = exc.message  # after the first byte: an error event, then [DONE]
+            return await out.end(sse(exc.body()))
+        if isinstance(out, Collected):
+            response = _json(answer.body(time.monotonic() - started), headers=headers())
         else:
-            response = await _relay(request, answer, first, chunks, started, headers)
+            if out.response is None:  # an answer with nothing to say (no tokens asked for)
+                await out.opened(answer.site)
+            try:
+                closing = answer.closing_events()
+            except FederationError as exc:
+                answer.error, closing = exc.message, sse(exc.body())
+            response = await out.end(closing)
         outcome, error = ("error", answer.error) if answer.error else ("ok", None)
         return response
     except asyncio.CancelledError:
@@ -135,8 +151,8 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         error = exc.message
         raise
     finally:
-        await chunks.aclose()  # cancels the site's Generate if it is still running
         metrics.request_done(outcome, generation.retries, generation.resumed)
+        ttft_ms = (out.first_chunk_at - started) * 1000 if out.first_chunk_at else None
         bound.info(
             "request.done",
             site=answer.site,
@@ -150,31 +166,6 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
             resumed=generation.resumed,
             latency_ms=round((time.monotonic() - started) * 1000, 1),
         )
-
-
-async def _relay(
-    request: web.Request, answer: Answer, first: wire.GenerateChunk, chunks, started: float, headers: dict[str, str]
-) -> web.StreamResponse:
-    """SSE to the client; an error after the first byte becomes an error event, then [DONE]."""
-    response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-
-    async def send(events: list[dict[str, Any]]) -> None:
-        for event in events:
-            await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
-
-    try:
-        await send(answer.opening_events())
-        await send(answer.chunk_events(first, time.monotonic() - started))
-        async for chunk in chunks:
-            answer.add(chunk)
-            await send(answer.chunk_events(chunk, time.monotonic() - started))
-        await send(answer.closing_events())
-    except FederationError as exc:
-        answer.error = exc.message
-        await send([exc.body()])
-    await response.write(b"data: [DONE]\n\n")
-    return response
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -234,7 +225,12 @@ def build_app(config: GatewayConfig) -> web.Application:
         app[SCHEDULERS_KEY].start()
         app[ADMISSION_KEY] = admission.Admission(app[SCHEDULERS_KEY], config.max_held)
         app[BREAKERS_KEY] = SiteBreakers()
+        app[WRITES_KEY] = WriteBatch()
+        flushing = asyncio.ensure_future(metrics.flush_forever())
         yield
+        flushing.cancel()
+        await asyncio.gather(flushing, return_exceptions=True)
+        metrics.flush_relayed()
         await app[SCHEDULERS_KEY].close()
         await app[UPSTREAM_KEY].close()
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, NamedTuple, Protocol
 
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
@@ -29,7 +31,7 @@ from federation.errors import NoCapacity, SiteWorkerFailed, UpstreamFailed
 from federation.gateway import metrics
 from federation.gateway.jobs import Job
 from federation.gateway.schedulers import Schedulers
-from federation.gateway.upstream import Upstream
+from federation.gateway.upstream import SiteStream, Upstream
 
 log = structlog.get_logger("gateway")
 
@@ -84,9 +86,30 @@ class SiteBreakers:
 Route = Callable[[wire.RouteRequest], Awaitable[wire.RouteDecision]]
 
 
+class Chunk(NamedTuple):
+    """A piece of the answer as the client's one stream sees it: its token count continues
+    across sites. (A NamedTuple: one is built per delta, at the token rate.)"""
+
+    text: str
+    output_ids: tuple[int, ...]
+    completion_tokens: int
+    finish_reason: dict[str, Any] | None
+    site: str
+
+
+class AnswerSink(Protocol):
+    """Where a generation's chunks go, as they arrive from the sites."""
+
+    def chunk(self, chunk: Chunk) -> None:
+        """A chunk, in order; called as the site's deltas are read (it must not block)."""
+
+    async def opened(self, site: str) -> None:
+        """The answer has begun (its first chunk came from `site`): the client may be answered."""
+
+
 class Generation:
-    """The chunks of one job's answer, as if from one site. `route` decides the first site
-    (latency mode may hold it); later ones come straight from the schedulers."""
+    """One job's answer, as if from one site. `route` decides the first site (latency mode may
+    hold it); later ones come straight from the schedulers."""
 
     def __init__(
         self,
@@ -97,44 +120,42 @@ class Generation:
         upstream: Upstream,
         breakers: SiteBreakers,
         config: FailoverConfig,
+        out: AnswerSink,
     ) -> None:
         self.job, self.route_request = job, route_request
         self._first_route: Route | None = route
         self.schedulers, self.upstream, self.breakers, self.config = schedulers, upstream, breakers, config
+        self._out = out
         self.retries = 0
         self.resumed = 0
         self.sites: list[str] = []  # every site that sent this answer tokens, in order
+        self.accepted_unix_s = 0.0  # when the first site's agent took the request (wall clock)
         self._tried: set[str] = set()  # sites that failed this request since it last made progress
         self._held_s = 0.0  # seconds sites held it before failing it, in this search for a site (not in the budget)
         self._produced = 0  # tokens the client has been sent
         self._offset = 0  # tokens produced before the current site took over
         self._id_parts: list[tuple[int, ...]] = []  # every token id sent, from every site
         self._text_parts: list[str] = []
+        self._delivered = False  # a chunk went to the sink
+        self._opened = False  # and the sink heard that the answer began
 
-    async def chunks(self) -> AsyncIterator[wire.GenerateChunk]:
+    async def run(self) -> None:
+        """Returns once the whole answer went to the sink; raises a FederationError when it
+        cannot be completed. Cancelling it cancels the site's generation."""
         request = self.job.request
         while True:
-            decision, stream, chunk = await self._open(request)
+            decision, stream = await self._open(request)
             try:
-                while True:
-                    aborted = (chunk.finish_reason or {}).get("type") == "abort"
-                    if aborted:  # the worker gave up on it (SGLang's abort finish): the site failed it
-                        chunk = dataclasses.replace(chunk, finish_reason=None)
-                    if chunk.output_ids or chunk.text or not aborted:
-                        yield self._continued(chunk, decision.site)
-                    if aborted:
-                        raise UpstreamFailed(f"site {decision.site} aborted the generation")
-                    if chunk.finish_reason is not None:
-                        return
-                    next_chunk = await anext(stream, None)
-                    if next_chunk is None:
-                        raise UpstreamFailed(f"site {decision.site} ended the stream before the answer's end")
-                    chunk = next_chunk
+                if not self._opened and self._delivered:
+                    self._opened = True
+                    await self._out.opened(decision.site)
+                await stream.done
+                return
             except UpstreamFailed as exc:
                 self._failed(decision.site, exc)
                 request = self._continuation(exc)
                 if request is None:  # every token asked for was sent: only the finish was lost
-                    yield self._finished_by_length(decision.site)
+                    self._deliver(self._finished_by_length(decision.site))
                     return
                 self.resumed += 1
                 log.warning(
@@ -145,12 +166,28 @@ class Generation:
                     error=exc.message,
                 )
             finally:
-                await stream.aclose()
+                stream.close()
+
+    def _deliver(self, chunk: Chunk) -> None:
+        self._delivered = True
+        self._out.chunk(chunk)
+
+    def _on_delta(self, site: str, stream: SiteStream, delta: wire.TokenDelta) -> None:
+        """A site's delta, as the upstream reads it. SGLang's abort finish means the worker gave up
+        on the request: the site failed it (its tokens so far still count)."""
+        finish = delta.finish_reason
+        aborted = finish is not None and finish.get("type") == "abort"
+        if aborted:
+            finish = None
+        if delta.output_ids or delta.text or not aborted:
+            self._deliver(self._continued(delta, finish, site))
+        if aborted:
+            stream.fail(UpstreamFailed(f"site {site} aborted the generation"))
 
     # ---- opening a site's stream ---------------------------------------------------------
 
     async def _open(self, request: wire.GenerateRequest):
-        """(decision, stream, first chunk) from the first site that starts answering."""
+        """(decision, stream) from the first site that starts answering."""
         self._held_s = 0.0
         retrying = AsyncRetrying(
             retry=retry_if_exception_type((UpstreamFailed, NoCapacity)),
@@ -168,7 +205,7 @@ class Generation:
         self.retries += 1
         log.info("request.retrying", request_id=self.job.request.request_id, error=str(state.outcome.exception()))
 
-    async def _attempt(self, request: wire.GenerateRequest):
+    async def _attempt(self, request: wire.GenerateRequest) -> tuple[wire.RouteDecision, SiteStream]:
         exclude = self._tried | self.breakers.open_sites()
         route_request = dataclasses.replace(self.route_request, exclude_sites=tuple(sorted(exclude)))
         route, self._first_route = self._first_route or self.schedulers.route, None
@@ -177,24 +214,23 @@ class Generation:
         except NoCapacity:
             self._tried.clear()  # every site failed it once: each may be tried again after the backoff
             raise
-        stream = self.upstream.generate(decision.agent_address, request)
+        stream = self.upstream.start(decision.agent_address, request, partial(self._on_delta, decision.site))
         sent_at = time.monotonic()
         try:
-            first = await anext(stream, None)
-            if first is None:
-                raise UpstreamFailed(f"site {decision.site} ended the stream before the first token")
+            first = await stream.first
         except UpstreamFailed as exc:
-            await stream.aclose()
+            stream.close()
             self._held_s += time.monotonic() - sent_at
             self._failed(decision.site, exc)
             raise
         except BaseException:
-            await stream.aclose()
+            stream.close()
             raise
+        self.accepted_unix_s = self.accepted_unix_s or first.accepted_unix_s
         self.breakers.succeeded(decision.site)
         self._tried.clear()
         self.sites.append(decision.site)
-        return decision, stream, first
+        return decision, stream
 
     def _failed(self, site: str, failure: UpstreamFailed) -> None:
         """A site failed this request. One of its workers breaking is not the site failing: a
@@ -206,25 +242,17 @@ class Generation:
 
     # ---- resuming ------------------------------------------------------------------------
 
-    def _continued(self, chunk: wire.GenerateChunk, site: str) -> wire.GenerateChunk:
-        """The chunk as the client's one stream sees it: token count continued across sites."""
-        self._id_parts.append(chunk.output_ids)
-        self._text_parts.append(chunk.text)
-        produced = self._offset + chunk.completion_tokens
+    def _continued(self, delta: wire.TokenDelta, finish: dict[str, Any] | None, site: str) -> Chunk:
+        """The delta as the client's one stream sees it: token count continued across sites."""
+        self._id_parts.append(delta.output_ids)
+        self._text_parts.append(delta.text)
+        produced = self._offset + delta.completion_tokens
         if produced > self._produced:
             metrics.tokens_relayed(site, produced - self._produced)
         self._produced = produced
-        if self._offset == 0:
-            return chunk
-        finish = chunk.finish_reason
-        if finish is not None and finish.get("type") == "length":
+        if self._offset and finish is not None and finish.get("type") == "length":
             finish = {**finish, "length": self._max_new_tokens}
-        return dataclasses.replace(
-            chunk,
-            completion_tokens=self._produced,
-            prompt_tokens=self.job.request.prompt_tokens,
-            finish_reason=finish,
-        )
+        return Chunk(delta.text, delta.output_ids, produced, finish, site)
 
     @property
     def _max_new_tokens(self) -> int:
@@ -258,12 +286,15 @@ class Generation:
         prompt_tokens = original.prompt_tokens + self._produced
         if len(ids) == self._produced:
             prompt_ids = list(original.input_ids) if original.input_ids else tokens.encode(original.text)
-            return wire.GenerateRequest(original.request_id, prompt_tokens, params, "", (*prompt_ids, *ids))
+            return dataclasses.replace(
+                original, prompt_tokens=prompt_tokens, sampling_params=params, text="", input_ids=(*prompt_ids, *ids)
+            )
         if original.text and not original.input_ids:  # the site sent text without ids: continue the text
             sent = "".join(self._text_parts)
-            return wire.GenerateRequest(original.request_id, prompt_tokens, params, original.text + sent)
+            return dataclasses.replace(
+                original, prompt_tokens=prompt_tokens, sampling_params=params, text=original.text + sent
+            )
         raise refuse("the site did not send token ids")
 
-    def _finished_by_length(self, site: str) -> wire.GenerateChunk:
-        finish = {"type": "length", "length": self._max_new_tokens}
-        return wire.GenerateChunk("", (), self._produced, self.job.request.prompt_tokens, finish, site, "")
+    def _finished_by_length(self, site: str) -> Chunk:
+        return Chunk("", (), self._produced, {"type": "length", "length": self._max_new_tokens}, site)

@@ -129,6 +129,20 @@ def _max_tokens(body: dict[str, Any], prompt_tokens: int, context_tokens: int, *
     return asked, asked
 
 
+def _every_event(body: dict[str, Any], sampling: dict[str, Any]) -> bool:
+    """`stream_interval` (SGLang's sampling parameter; on chat and completions an extension of
+    ours, as SGLang extends OpenAI's fields with its own): the client wants the worker's own
+    chunks, each event of the worker as its own chunk, at once (1: every token). Without it the
+    tokens of a short window travel together (see nodes/agent/relay.py)."""
+    interval = body.get("stream_interval")
+    if interval is None:
+        return False
+    if not _is_int(interval) or interval < 1:
+        raise BadRequest(f"`stream_interval` must be an integer >= 1, got {interval!r}", param="stream_interval")
+    sampling["stream_interval"] = interval
+    return True
+
+
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     """stream, include_usage, continuous_usage_stats (SGLang's and vLLM's option, for chat and
     completions alike: the tokens so far on every chunk, so a client that stops reading knows
@@ -168,9 +182,11 @@ def chat_job(body: dict[str, Any], *, request_id: str, served_model: str, contex
     text = tokens.render_harmony(rendered, reasoning_effort=effort, today=date.today().isoformat())
     prompt_tokens = _count(text, context_tokens, "messages")
     sampling = _sampling(body)
+    every_event = _every_event(body, sampling)
     asked, budget = _max_tokens(body, prompt_tokens, context_tokens, "max_completion_tokens", "max_tokens")
     stream, include_usage, continuous = _stream_flags(body)
-    request = wire.GenerateRequest(request_id, prompt_tokens, {**sampling, "max_new_tokens": budget}, text=text)
+    params = {**sampling, "max_new_tokens": budget}
+    request = wire.GenerateRequest(request_id, prompt_tokens, params, text=text, every_event=every_event)
     return Job("chat", request, asked, stream, include_usage, model, continuous)
 
 
@@ -186,10 +202,12 @@ def completion_job(body: dict[str, Any], *, request_id: str, served_model: str, 
     else:
         raise BadRequest("`prompt` must be one non-empty string or one list of token ids", param="prompt")
     sampling = _sampling(body)
+    every_event = _every_event(body, sampling)
     fields = ("max_tokens",)
     asked, budget = _max_tokens({"max_tokens": 16, **body}, prompt_tokens, context_tokens, *fields)
     stream, include_usage, continuous = _stream_flags(body)
-    request = wire.GenerateRequest(request_id, prompt_tokens, {**sampling, "max_new_tokens": budget}, text, ids)
+    params = {**sampling, "max_new_tokens": budget}
+    request = wire.GenerateRequest(request_id, prompt_tokens, params, text, ids, every_event)
     return Job("completion", request, asked, stream, include_usage, model, continuous)
 
 
@@ -215,5 +233,7 @@ def generate_job(body: dict[str, Any], *, request_id: str, served_model: str, co
     if max_new is not None and not (_is_int(max_new) and 0 <= max_new < context_tokens):
         raise BadRequest(f"max_new_tokens must be an integer in [0, {context_tokens}), got {max_new!r}")
     stream = body.get("stream") is True
-    request = wire.GenerateRequest(request_id, prompt_tokens, sampling, text, ids)
+    # The worker validates the interval itself; whoever sets it wants the worker's own chunks.
+    every_event = sampling.get("stream_interval") is not None
+    request = wire.GenerateRequest(request_id, prompt_tokens, sampling, text, ids, every_event)
     return Job("generate", request, max_new if _is_int(max_new) and max_new > 0 else 0, stream, False, served_model)

@@ -1,23 +1,41 @@
-"""The gateway's gRPC client of the sites' agents: one generation's chunks from one site.
+"""The gateway's side of the sites' agents: one Generate call per agent carries every request
+this process sends there, both ways.
 
-Channels are created once, inside the running loop, and kept; gRPC status codes become
-the federation's errors here, so the HTTP layer sees one error tree.
+A request is a numbered stream on that call: `start` sends it, its deltas come back in batches
+shared with every other request on the call (see nodes/agent/relay.py for why), and one task per
+call reads them and hands each to its stream's `deliver` as it reads, without waking the
+request's own task (which sleeps until its stream's first delta and then its end). One watcher
+per agent bounds every stream's waits, instead of a timer around every read. gRPC statuses and
+the agent's stream errors become the federation's errors here, so the HTTP layer sees one
+error tree.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import collections
+import contextlib
+import itertools
+import time
+from collections.abc import Callable
 
 import grpc
+import structlog
 
 from federation import runtime, wire
-from federation.errors import BadRequest, SiteWorkerFailed, UpstreamFailed
+from federation.errors import BadRequest, FederationError, SiteWorkerFailed, UpstreamFailed
+
+log = structlog.get_logger("gateway")
 
 # The agent bounds its own waits on the worker (30 min to the first token, 60 s between
 # events); these are a little longer, so the agent's clearer error arrives first.
 FIRST_CHUNK_TIMEOUT_S = 1900.0
 BETWEEN_CHUNKS_TIMEOUT_S = 90.0
+WATCH_INTERVAL_S = 1.0  # how often the streams' waits are checked
+# The reader lets other work (Route answers, new requests) run after this many deltas: a batch
+# from a busy site holds thousands, and handing them out is the loop's biggest single job.
+DELTAS_PER_TURN = 64
+START_BYTES = 256  # a start's fields besides its prompt, roughly (its message's size estimate)
 # A site that crashed or was cut off resets its connections, and its streams fail at once. One
 # whose packets just stop (a partition that drops them) is found by HTTP/2 pings: unanswered
 # for KEEPALIVE_TIMEOUT_MS, every stream on the connection fails and its requests move on.
@@ -28,48 +46,237 @@ KEEPALIVE_OPTIONS = (
     ("grpc.http2.max_pings_without_data", 0),
 )
 
+Deliver = Callable[["SiteStream", wire.TokenDelta], None]
 
-def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
-    return (("x-request-id", request_id),)
+
+class SiteStream:
+    """One generation on a site. Its deltas go to `deliver` as they are read; `first` resolves
+    with its first delta and `done` at its end; either raises the failure that ended it."""
+
+    __slots__ = ("_call", "_deliver", "done", "first", "last_at", "number", "started_at")
+
+    def __init__(self, call: _Call, number: int, deliver: Deliver) -> None:
+        loop = asyncio.get_running_loop()
+        self._call = call
+        self.number = number
+        self._deliver = deliver
+        self.first: asyncio.Future[wire.TokenDelta] = loop.create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.started_at = self.last_at = time.monotonic()
+
+    def receive(self, delta: wire.TokenDelta, now: float) -> None:
+        """A failure before any token fails `first` (the request may go to another site); after
+        it, `done` (the answer may be resumed elsewhere)."""
+        self.last_at = now
+        failed = delta.error is not wire.StreamError.NONE
+        if failed and not (delta.output_ids or delta.text):
+            self.fail(self._call.error(delta))
+            return
+        if not self.first.done():
+            self.first.set_result(delta)
+        try:
+            self._deliver(self, delta)
+        except Exception:  # a bug of ours: this request fails, the others on the call go on
+            log.exception("upstream.deliver_failed", agent=self._call.address)
+            self.fail(UpstreamFailed("internal error in the gateway while relaying the answer"))
+        if self.done.done():  # its deliver may have ended it
+            return
+        if failed:
+            self.fail(self._call.error(delta))
+        elif delta.finish_reason is not None:
+            self._call.forget(self.number)
+            self.done.set_result(None)
+
+    def fail(self, error: FederationError) -> None:
+        """End the stream with `error` (at the agent too, if it still runs there)."""
+        if self._call.forget(self.number):
+            self._call.cancel(self.number)
+        if not self.first.done():
+            self.first.set_exception(error)
+            self.done.cancel()
+        elif not self.done.done():
+            self.done.set_exception(error)
+
+    def close(self) -> None:
+        """The request is done with this stream: stop it at the agent if it still runs."""
+        if self._call.forget(self.number):
+            self._call.cancel(self.number)
+        for future in (self.first, self.done):
+            if not future.done():
+                future.cancel()
+            elif not future.cancelled():
+                future.exception()  # seen: an outcome nobody waits for is not an error to log
+
+
+class _Call:
+    """One Generate call to an agent: its streams, the starts and cancels waiting to be sent,
+    the task that sends them and the one that reads the deltas."""
+
+    def __init__(self, stub: wire.SiteAgentStub, address: str) -> None:
+        self.address = address
+        self._grpc = stub.Generate()
+        self.streams: dict[int, SiteStream] = {}
+        self._starts: collections.deque[tuple[int, wire.GenerateRequest]] = collections.deque()
+        self._cancels: list[int] = []
+        self._wake = asyncio.Event()
+        self.broken: FederationError | None = None
+        self._tasks = (asyncio.ensure_future(self._write_forever()), asyncio.ensure_future(self._read_forever()))
+
+    def start(self, number: int, request: wire.GenerateRequest, stream: SiteStream) -> None:
+        self.streams[number] = stream
+        self._starts.append((number, request))
+        self._wake.set()
+
+    def forget(self, number: int) -> bool:
+        """Drop the stream; True if it was still here."""
+        return self.streams.pop(number, None) is not None
+
+    def cancel(self, number: int) -> None:
+        if self.broken is None:
+            self._cancels.append(number)
+            self._wake.set()
+
+    def error(self, delta: wire.TokenDelta) -> FederationError:
+        if delta.error is wire.StreamError.REJECTED:
+            return BadRequest(delta.error_message or "the site refused the request")
+        if delta.error is wire.StreamError.WORKER_FAILED:  # one worker broke; the site serves on
+            return SiteWorkerFailed(f"site at {self.address}: {delta.error_message}")
+        return UpstreamFailed(f"site at {self.address} failed: {delta.error_message}")
+
+    async def _write_forever(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._starts or self._cancels:
+                    starts, size = [], 0
+                    while self._starts and (not starts or size < runtime.GENERATE_COMMAND_BYTES):
+                        number, request = self._starts.popleft()
+                        starts.append((number, request))
+                        size += START_BYTES + len(request.text) + 4 * len(request.input_ids)
+                    cancels, self._cancels = self._cancels, []
+                    await self._grpc.write(wire.generate_command_to_pb(starts, cancels))
+        except grpc.aio.AioRpcError as exc:
+            self._break(exc)
+        except asyncio.InvalidStateError:  # written after the call ended: its reader says why
+            pass
+        except Exception as exc:  # a bug of ours: the call's streams fail over rather than hang
+            log.exception("upstream.write_failed", agent=self.address)
+            self._break(exc)
+
+    async def _read_forever(self) -> None:
+        touched = 0
+        try:
+            while True:
+                pb = await self._grpc.read()
+                if pb is grpc.aio.EOF:
+                    self._break(None)
+                    return
+                now = time.monotonic()
+                for delta in wire.token_batch_from_pb(pb):
+                    stream = self.streams.get(delta.stream)
+                    if stream is not None:
+                        stream.receive(delta, now)
+                    touched += 1
+                    if touched >= DELTAS_PER_TURN:
+                        touched = 0
+                        await asyncio.sleep(0)
+        except grpc.aio.AioRpcError as exc:
+            self._break(exc)
+        except Exception as exc:  # a malformed batch, a bug of ours: fail over rather than hang
+            log.exception("upstream.read_failed", agent=self.address)
+            self._break(exc)
+
+    def _break(self, exc: Exception | None) -> None:
+        """The call is over: every stream still on it fails (and fails over)."""
+        if exc is None:
+            why = "ended the call"
+        elif isinstance(exc, grpc.aio.AioRpcError):
+            why = f"failed: {exc.details() or exc.code().name}"
+        else:
+            why = f"sent what the gateway could not read: {type(exc).__name__}"
+        self.broken = UpstreamFailed(f"site at {self.address} {why}")
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream.fail(self.broken)
+
+    async def close(self) -> None:
+        self._grpc.cancel()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class SiteLink:
+    """One agent: its channel, kept for the gateway's life, and its current Generate call
+    (opened when first needed, and again after one broke)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        options = KEEPALIVE_OPTIONS + runtime.GRPC_CHANNEL_OPTIONS
+        self._channel = grpc.aio.insecure_channel(address, options=options)
+        self._stub = wire.SiteAgentStub(self._channel)
+        self._call: _Call | None = None
+        self._retired: set[_Call] = set()  # broken calls, closed by the watcher
+
+    def start(self, number: int, request: wire.GenerateRequest, deliver: Deliver) -> SiteStream:
+        if self._call is None or self._call.broken is not None:
+            if self._call is not None:
+                self._retired.add(self._call)
+            self._call = _Call(self._stub, self.address)
+        stream = SiteStream(self._call, number, deliver)
+        self._call.start(number, request, stream)
+        return stream
+
+    async def check(self, now: float) -> None:
+        """Fail the streams that waited too long; close the calls that broke."""
+        call = self._call
+        for stream in list(call.streams.values()) if call is not None else ():
+            waited = now - stream.last_at
+            limit_s = BETWEEN_CHUNKS_TIMEOUT_S if stream.first.done() else FIRST_CHUNK_TIMEOUT_S
+            if waited > limit_s:
+                stream.fail(UpstreamFailed(f"site at {self.address} sent nothing for {limit_s:.0f} s"))
+        retired, self._retired = self._retired, set()
+        for old in retired:
+            await old.close()
+
+    async def close(self) -> None:
+        for call in (*self._retired, *([self._call] if self._call else [])):
+            await call.close()
+        await self._channel.close()
 
 
 class Upstream:
-    """Channels to the sites' agents, one per address, kept for the gateway's life."""
+    """The sites' agents, one link per address, kept for the gateway's life."""
 
     def __init__(self) -> None:
-        self._agents: dict[str, tuple[grpc.aio.Channel, wire.SiteAgentStub]] = {}
+        self._links: dict[str, SiteLink] = {}
+        self._numbers = itertools.count(1)
+        self._watch = asyncio.ensure_future(self._watch_forever())
+
+    def start(self, address: str, request: wire.GenerateRequest, deliver: Deliver) -> SiteStream:
+        """Start `request` at the agent at `address`; `deliver` gets its deltas as they come.
+        Close the stream when done with it (that cancels it at the agent if it still runs)."""
+        link = self._links.get(address)
+        if link is None:
+            link = self._links[address] = SiteLink(address)
+        return link.start(next(self._numbers), request, deliver)
+
+    async def _watch_forever(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            now = time.monotonic()
+            for link in list(self._links.values()):
+                try:
+                    await link.check(now)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # one link's bug must not end the watch over the others
+                    log.exception("upstream.watch_failed", agent=link.address)
 
     async def close(self) -> None:
-        for channel, _ in self._agents.values():
-            await channel.close()
-
-    def _agent(self, address: str) -> wire.SiteAgentStub:
-        if address not in self._agents:
-            channel = grpc.aio.insecure_channel(address, options=KEEPALIVE_OPTIONS + runtime.GRPC_CHANNEL_OPTIONS)
-            self._agents[address] = (channel, wire.SiteAgentStub(channel))
-        return self._agents[address][1]
-
-    async def generate(self, address: str, req: wire.GenerateRequest) -> AsyncIterator[wire.GenerateChunk]:
-        """The site's chunks; closing this generator cancels the call (and the worker's request).
-        Every wait is bounded: a site that goes silent fails the request instead of hanging it."""
-        call = self._agent(address).Generate(wire.generate_request_to_pb(req), metadata=_metadata(req.request_id))
-        limit_s = FIRST_CHUNK_TIMEOUT_S
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout(limit_s):
-                        pb = await call.read()
-                except TimeoutError:
-                    raise UpstreamFailed(f"site at {address} sent nothing for {limit_s:.0f} s") from None
-                if pb is grpc.aio.EOF:
-                    return
-                limit_s = BETWEEN_CHUNKS_TIMEOUT_S
-                yield wire.chunk_from_pb(pb)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise BadRequest(exc.details() or "the site refused the request") from None
-            if exc.code() == grpc.StatusCode.ABORTED:  # the agent's word for "one worker broke"
-                raise SiteWorkerFailed(f"site at {address}: {exc.details()}") from None
-            raise UpstreamFailed(f"site at {address} failed: {exc.details() or exc.code().name}") from None
-        finally:
-            call.cancel()
+        self._watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._watch
+        for link in self._links.values():
+            await link.close()

@@ -26,6 +26,7 @@ from federation.config import JOIN_TOKEN_ENV
 from nodes.agent import calibrate
 from nodes.agent.join import JoinGate
 from nodes.agent.pool import WorkerPool
+from nodes.agent.relay import COALESCE_S
 from nodes.agent.reporter import ReportFeed
 from nodes.agent.service import SiteAgentService
 from nodes.emulator.launch import EmulatorProcess, launch
@@ -58,6 +59,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     workers = p.add_mutually_exclusive_group(required=True)
     workers.add_argument("--worker-url", action="append", help="an SGLang worker, repeatable")
     workers.add_argument("--emulate", action="store_true", help="launch emulated workers, one per GPU")
+    p.add_argument(
+        "--coalesce-ms",
+        type=runtime.positive_float,
+        default=COALESCE_S * 1000,
+        help="how long a stream's tokens gather before they go to the gateway: the cadence of the chunks "
+        "clients see (the first token and the end go at once; see nodes/agent/relay.py)",
+    )
     p.add_argument("--speed", type=float, default=1.0, help="emulated GPU speed (with --emulate)")
     p.add_argument("--emulator-port", type=int, default=None, help="first worker port (with --emulate)")
     p.add_argument(
@@ -108,7 +116,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     address = f"{args.host}:{args.port}"
     credential = os.environ.get(JOIN_TOKEN_ENV, "")
     gate = JoinGate(args.site, args.region, args.gpu, args.gpus, credential, args.scheduler or [])
-    service = SiteAgentService(args.site, pool, session, gate, args.advertise or address)
+    service = SiteAgentService(args.site, pool, session, gate, args.advertise or address, args.coalesce_ms / 1000)
     server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
     wire.add_site_agent_to_server(service, server)
     try:
@@ -120,7 +128,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     if served is None:
         return 1
     await server.start()
-    tasks = [asyncio.ensure_future(pool.check_forever())]
+    tasks = [asyncio.ensure_future(pool.check_forever()), asyncio.ensure_future(service.watch_calls())]
     stop = asyncio.ensure_future(runtime.stop_event().wait())
     waits = not gate.schedulers.done()
     if waits:  # ready to be joined: serving, not yet probed or reporting

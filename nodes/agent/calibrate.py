@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from nodes.agent import sglang
+from nodes.agent import sglang, worker_stream
 from nodes.agent.pool import Worker, WorkerPool
 
 log = structlog.get_logger("agent.calibrate")
@@ -39,7 +39,7 @@ class ProbeResult:
     tok_s: float
 
 
-async def _one(pool: WorkerPool, worker: Worker) -> float | None:
+async def _one(worker: Worker) -> float | None:
     """Seconds per output token of one probe request (first token to last), None if it failed."""
     payload = {
         "rid": "fed-probe-" + uuid.uuid4().hex,
@@ -48,22 +48,24 @@ async def _one(pool: WorkerPool, worker: Worker) -> float | None:
     }
     first = last = None
     tokens = 0
-    deltas = sglang.stream_generate(
-        pool.session,
-        worker.url,
-        payload,
-        incremental=worker.incremental,
-        first_token_timeout_s=PROBE_TIMEOUT_S,
-        between_events_timeout_s=PROBE_TIMEOUT_S,
-    )
+
+    def on_event(text: str, ids: list[int], completion_tokens: int, prompt_tokens: int, finish: object) -> None:
+        nonlocal first, last, tokens
+        now = time.monotonic()
+        first = first or now
+        last, tokens = now, completion_tokens
+
+    call = None
     try:
-        async for d in deltas:
-            now = time.monotonic()
-            first = first or now
-            last, tokens = now, d.completion_tokens
-    except (sglang.WorkerFailed, sglang.WorkerRejected) as exc:
-        log.warning("calibrate.request_failed", worker=worker.url, error=str(exc))
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
+            call = await worker_stream.start(worker.url, payload, incremental=worker.incremental, on_event=on_event)
+            await call.done
+    except (sglang.WorkerFailed, sglang.WorkerRejected, TimeoutError) as exc:
+        log.warning("calibrate.request_failed", worker=worker.url, error=str(exc) or "timed out")
         return None
+    finally:
+        if call is not None:
+            call.close()
     if first is None or last is None or tokens < 2 or last <= first:
         return None
     return (last - first) / (tokens - 1)
@@ -75,7 +77,7 @@ async def probe(pool: WorkerPool) -> ProbeResult | None:
     per_worker = []
     for worker, tpots in zip(
         workers,
-        await asyncio.gather(*(asyncio.gather(*(_one(pool, w) for _ in range(PROBE_BATCH))) for w in workers)),
+        await asyncio.gather(*(asyncio.gather(*(_one(w) for _ in range(PROBE_BATCH))) for w in workers)),
         strict=True,
     ):
         done = [t for t in tpots if t is not None]

@@ -1,16 +1,16 @@
-"""The SiteAgent gRPC service: Generate streams a worker's tokens back, coalesced; Abort.
+"""The SiteAgent gRPC service: Generate relays many generations on one call per gateway; Join.
 
-A stream is one gRPC message per coalescing window, not per token: at MLPerf scale a
-site produces ~140 k tokens/s, far more messages than gRPC could carry one by one.
+Each generation a gateway starts waits here for a worker slot, then streams from its worker
+(`worker_stream`, read in callbacks); its tokens go back through the call's `RelayCall`,
+coalesced in time and across generations. One watcher bounds every worker call's waits.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import aiohttp
 import grpc
@@ -18,21 +18,29 @@ import structlog
 
 from federation import wire
 from federation.work import expected_output_tokens
-from nodes.agent import sglang
+from nodes.agent import sglang, worker_stream
 from nodes.agent.delivered import DeliveredRate
 from nodes.agent.join import JoinGate
 from nodes.agent.pool import NoHealthyWorker, Worker, WorkerPool
+from nodes.agent.relay import COALESCE_S, RelayCall, Relayed
 
 log = structlog.get_logger("agent")
 
-COALESCE_S = 0.05  # tokens produced within this window travel in one message
 # An Offline run can queue a request behind thousands at a site: its first token may take
 # many minutes. Once tokens flow, a worker silent for a minute is broken, not busy.
 FIRST_TOKEN_TIMEOUT_S = 1800.0
 BETWEEN_EVENTS_TIMEOUT_S = 60.0
+WATCH_INTERVAL_S = 1.0  # how often the worker calls' waits are checked
 # A request whose worker never answered goes to another, up to this many tries in all (each
 # marks the worker it tried unhealthy until its health check passes).
 CONNECT_ATTEMPTS = 3
+# Generations one call may hold at once: a gateway process holds at most ~20 k open requests
+# (its file descriptors); far more from one caller is a fault or an attack, not load.
+MAX_STREAMS_PER_CALL = 100_000
+
+
+class SiteFailed(Exception):
+    """The site cannot serve this generation (no healthy worker, no slot in time)."""
 
 
 class _Ledger:
@@ -67,43 +75,111 @@ class _Ledger:
         self.requests -= 1
 
 
+@dataclass(slots=True)
+class _Held:
+    """A generation's share of its worker's ledger: what it was expected to produce, and how much
+    of that its deltas have already settled."""
+
+    worker: Worker
+    expected: int
+    counted: int = 0
+
+
 class SiteAgentService(wire.SiteAgentServicer):
     def __init__(
-        self, site: str, pool: WorkerPool, session: aiohttp.ClientSession, gate: JoinGate, address: str
+        self,
+        site: str,
+        pool: WorkerPool,
+        session: aiohttp.ClientSession,
+        gate: JoinGate,
+        address: str,
+        coalesce_s: float = COALESCE_S,
     ) -> None:
         self.site = site
+        self.coalesce_s = coalesce_s  # how long tokens gather before they go (see relay.py)
         self.pool = pool
         self.session = session
         self.gate = gate
         self.address = address  # what the site registers: where the gateways dial it
         self.ledger = _Ledger()
         self.delivered = DeliveredRate()
-        self._in_flight: dict[str, tuple[Worker, str]] = {}  # request id -> (worker, worker rid)
+        self._calls: set[worker_stream.WorkerCall] = set()  # to workers, for the watcher
+        self._held: dict[Relayed, _Held] = {}  # generations at a worker: what they hold in the ledger
         self._aborts: set[asyncio.Future[None]] = set()  # keep them alive until they finish
 
-    async def Generate(self, request, context) -> AsyncIterator:
-        self.ledger.received_ids.append(request.request_id)
+    async def Generate(self, request_iterator, context) -> None:
+        """Starts and cancels generations as the gateway asks, until the call ends; every
+        generation still running then is cancelled (the gateway is gone)."""
+        relay = RelayCall(context.write, self._sent, self.coalesce_s)
+        writer = asyncio.ensure_future(relay.write_forever())
+        running: dict[int, asyncio.Task[None]] = {}
         try:
-            req = wire.generate_request_from_pb(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            while True:
+                pb = await context.read()
+                if pb is grpc.aio.EOF:
+                    break
+                command = wire.generate_command_from_pb(pb)
+                for stream, why in command.refused:
+                    Relayed(relay, stream, False).fail(wire.StreamError.REJECTED, why)
+                for stream, req in command.starts:
+                    record = Relayed(relay, stream, req.every_event)
+                    if stream in running or len(running) >= MAX_STREAMS_PER_CALL:
+                        record.fail(wire.StreamError.REJECTED, f"stream {stream} is in use, or too many on this call")
+                        continue
+                    task = asyncio.ensure_future(self._generate(req, record))
+                    running[stream] = task
+                    task.add_done_callback(lambda _, n=stream: running.pop(n, None))
+                for stream in command.cancels:
+                    if stream in running:
+                        running[stream].cancel()
+            await asyncio.gather(*running.values(), return_exceptions=True)  # the gateway said no more
+            await relay.drained()
+        finally:
+            for task in running.values():
+                task.cancel()
+            await asyncio.gather(*running.values(), return_exceptions=True)
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+
+    def _sent(self, record: Relayed, tokens: int) -> None:
+        """`tokens` more of `record`'s left for its gateway: delivered, and no longer owed by its worker."""
+        self.delivered.add(tokens)
+        held = self._held.get(record)
+        if held is not None:
+            counted = min(record.sent_tokens, held.expected)
+            self.ledger.settle(held.worker, counted - held.counted)
+            held.counted = counted
+
+    async def _generate(self, req: wire.GenerateRequest, record: Relayed) -> None:
+        """One generation, from a worker slot to its last delta; failures become that delta."""
+        self.ledger.received_ids.append(req.request_id)
         max_new = req.sampling_params.get("max_new_tokens")
         expected = expected_output_tokens(max_new if isinstance(max_new, int) else 0)
-        for attempt in range(1, CONNECT_ATTEMPTS + 1):
-            worker = await self._acquire(expected, context)
-            try:
-                async for pb in self._relay(req, worker, expected, context):
-                    yield pb
-                return
-            except sglang.WorkerUnreachable as exc:
-                # The worker never answered: another one takes the request, unseen by the client.
-                log.warning("generate.worker_unreachable", request_id=req.request_id, attempt=attempt, error=str(exc))
-                if attempt == CONNECT_ATTEMPTS:
-                    await context.abort(grpc.StatusCode.ABORTED, f"site {self.site}: {exc}")
+        bound = log.bind(request_id=req.request_id, site=self.site)
+        try:
+            for attempt in range(1, CONNECT_ATTEMPTS + 1):
+                worker = await self._acquire(expected)
+                try:
+                    await self._relay(req, worker, expected, record)
+                    return
+                except sglang.WorkerUnreachable as exc:
+                    # The worker never answered: another one takes the request, unseen by the client.
+                    bound.warning("generate.worker_unreachable", attempt=attempt, error=str(exc))
+                    if attempt == CONNECT_ATTEMPTS:
+                        raise
+        except sglang.WorkerRejected as exc:
+            record.fail(wire.StreamError.REJECTED, str(exc))
+        except sglang.WorkerFailed as exc:
+            # A worker broke, not the site: the gateway may send the request (or its
+            # continuation) right back here, to the site's other workers.
+            bound.warning("generate.worker_failed", error=str(exc))
+            record.fail(wire.StreamError.WORKER_FAILED, f"site {self.site}: {exc}")
+        except SiteFailed as exc:
+            record.fail(wire.StreamError.SITE_FAILED, f"site {self.site}: {exc}")
 
-    async def _acquire(self, expected: int, context) -> Worker:
+    async def _acquire(self, expected: int) -> Worker:
         """A worker slot for a request expected to produce `expected` tokens, counted in the ledger
-        while it waits and runs; aborts the call if the site has no healthy worker or no slot in time."""
+        while it waits and runs; SiteFailed if the site has no healthy worker or no slot in time."""
         self.ledger.arrive(expected)
         try:
             async with asyncio.timeout(FIRST_TOKEN_TIMEOUT_S):
@@ -111,14 +187,14 @@ class SiteAgentService(wire.SiteAgentServicer):
         except BaseException as exc:
             self.ledger.leave(expected)
             if isinstance(exc, NoHealthyWorker):
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                raise SiteFailed(str(exc)) from None
             if isinstance(exc, TimeoutError):
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"site {self.site}: no worker slot in time")
+                raise SiteFailed("no worker slot in time") from None
             raise
 
-    async def _relay(self, req: wire.GenerateRequest, worker: Worker, expected: int, context) -> AsyncIterator:
-        """The worker's answer, coalesced into gRPC messages; the worker's slot and the ledger are
-        settled when it ends, however it ends. Raises WorkerUnreachable if the worker never answered."""
+    async def _relay(self, req: wire.GenerateRequest, worker: Worker, expected: int, record: Relayed) -> None:
+        """The worker's answer into `record`; the worker's slot and the ledger are settled when it
+        ends, however it ends. Raises WorkerUnreachable if the worker never answered."""
         # The worker's rid is ours, fixed-length and unique: SGLang aborts by rid *prefix*,
         # so a client's id must never be able to name another client's request.
         rid = "fed-" + uuid.uuid4().hex
@@ -127,34 +203,17 @@ class SiteAgentService(wire.SiteAgentServicer):
             payload["input_ids"] = list(req.input_ids)
         else:
             payload["text"] = req.text
-        entry = (worker, rid)
         self.ledger.assign(worker, expected)
-        self._in_flight[req.request_id] = entry
-        counted, relayed, worker_done = 0, 0, False
-        bound = log.bind(request_id=req.request_id, rid=rid, site=self.site, worker=worker.url)
-        deltas = sglang.stream_generate(
-            self.session,
-            worker.url,
-            payload,
-            incremental=worker.incremental,
-            first_token_timeout_s=FIRST_TOKEN_TIMEOUT_S,
-            between_events_timeout_s=BETWEEN_EVENTS_TIMEOUT_S,
-        )
+        held = self._held[record] = _Held(worker, expected)
+        record.worker = worker.url
+        call: worker_stream.WorkerCall | None = None
+        worker_done = False
         try:
-            async with contextlib.aclosing(self._coalesced(deltas, worker)) as chunks:
-                async for chunk in chunks:
-                    self.delivered.add(chunk.completion_tokens - relayed)
-                    relayed = chunk.completion_tokens
-                    now_counted = min(chunk.completion_tokens, expected)
-                    self.ledger.settle(worker, now_counted - counted)
-                    counted = now_counted
-                    worker_done = chunk.finish_reason is not None
-                    yield wire.chunk_to_pb(chunk)
-        except sglang.WorkerRejected as exc:
+            call = await worker_stream.start(worker.url, payload, incremental=worker.incremental, on_event=record.event)
+            self._calls.add(call)
+            await call.done
             worker_done = True
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except sglang.WorkerUnreachable:
-            self.pool.mark_failed(worker)
+        except sglang.WorkerRejected:
             worker_done = True
             raise
         except sglang.WorkerFailed as exc:
@@ -162,19 +221,33 @@ class SiteAgentService(wire.SiteAgentServicer):
             # A lost connection ended the request at the worker: no abort to send (a dead
             # worker takes hundreds of streams with it, and their aborts would only be refused).
             worker_done = exc.connection_lost
-            bound.warning("generate.worker_failed", error=str(exc))
-            # ABORTED, not UNAVAILABLE: the site still serves on its other workers, so the
-            # gateway may send the request (or its continuation) right back here.
-            await context.abort(grpc.StatusCode.ABORTED, f"site {self.site}: {exc}")
+            raise
         finally:
-            # Cancelled, closed mid-send (GeneratorExit) or failed: the worker must stop too.
+            if call is not None:
+                self._calls.discard(call)
+                call.close()
+            # Cancelled (the gateway gave up) or failed: the worker must stop too.
             if not worker_done:
-                bound.info("generate.aborting")
+                log.info("generate.aborting", request_id=req.request_id, rid=rid, worker=worker.url)
                 self._abort_soon(worker, rid)
-            if self._in_flight.get(req.request_id) is entry:
-                del self._in_flight[req.request_id]
-            self.ledger.close(worker, expected - counted)
+            del self._held[record]
+            self.ledger.close(worker, expected - held.counted)
             self.pool.release(worker)
+
+    async def watch_calls(self) -> None:
+        """Bounds every worker call's waits (one check a second for all of them, not a timer per
+        read): no first event within FIRST_TOKEN_TIMEOUT_S, or none for BETWEEN_EVENTS_TIMEOUT_S
+        after it, and the worker has failed the request."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            now = time.monotonic()
+            for call in list(self._calls):
+                if call.last_event_at is None:
+                    silent_s, limit_s = now - call.started_at, FIRST_TOKEN_TIMEOUT_S
+                else:
+                    silent_s, limit_s = now - call.last_event_at, BETWEEN_EVENTS_TIMEOUT_S
+                if silent_s > limit_s:
+                    call.fail(sglang.WorkerFailed(f"the worker sent nothing for {limit_s:.0f} s"))
 
     def _abort_soon(self, worker: Worker, rid: str) -> None:
         task = asyncio.ensure_future(sglang.abort(self.session, worker.url, rid))
@@ -184,43 +257,6 @@ class SiteAgentService(wire.SiteAgentServicer):
     async def close(self) -> None:
         """Let the aborts already sent finish before the HTTP session closes."""
         await asyncio.gather(*self._aborts, return_exceptions=True)
-
-    async def _coalesced(
-        self, deltas: AsyncIterator[sglang.Delta], worker: Worker
-    ) -> AsyncIterator[wire.GenerateChunk]:
-        """The first token at once, then one chunk per window, and the finish at once."""
-        text: list[str] = []
-        ids: list[int] = []
-        last_sent = 0.0
-        sent_any = False
-        last: sglang.Delta | None = None
-        async for d in deltas:
-            text.append(d.text)
-            ids.extend(d.output_ids)
-            now = time.monotonic()
-            if not sent_any or d.finish_reason is not None or now - last_sent >= COALESCE_S:
-                yield wire.GenerateChunk(
-                    "".join(text),
-                    tuple(ids),
-                    d.completion_tokens,
-                    d.prompt_tokens,
-                    d.finish_reason,
-                    self.site,
-                    worker.url,
-                )
-                text, ids, last_sent, sent_any = [], [], now, True
-            last = d
-        if ids and last is not None:  # a stream that ended without a finish event still delivers what it had
-            yield wire.GenerateChunk(
-                "".join(text), tuple(ids), last.completion_tokens, last.prompt_tokens, None, self.site, worker.url
-            )
-
-    async def Abort(self, request, context):
-        entry = self._in_flight.get(wire.abort_request_from_pb(request))
-        if entry is not None:
-            worker, rid = entry
-            await sglang.abort(self.session, worker.url, rid)
-        return wire.abort_reply_to_pb(entry is not None)
 
     async def Join(self, request, context):
         refusal = self.gate.join(wire.join_request_from_pb(request), context)

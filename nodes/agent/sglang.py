@@ -1,15 +1,11 @@
-"""HTTP client for one SGLang worker: streamed /generate as deltas, abort, metrics.
-
-SGLang streams cumulative events by default (each holds everything so far); the agent
-works in deltas, so this turns either form into "what is new since the last event".
+"""HTTP client for one SGLang worker: what it serves, health, metrics, abort, and the ways a
+request to it can fail. The streamed /generate itself is `worker_stream`: the hot path.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import json
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,15 +34,6 @@ class WorkerUnreachable(WorkerFailed):
 
 
 @dataclass(frozen=True, slots=True)
-class Delta:
-    text: str
-    output_ids: tuple[int, ...]
-    completion_tokens: int
-    prompt_tokens: int
-    finish_reason: dict[str, Any] | None
-
-
-@dataclass(frozen=True, slots=True)
 class WorkerStats:
     """The gauges the agent reads from a worker's /metrics."""
 
@@ -71,7 +58,7 @@ class WorkerInfo:
     tokenizer: str = ""
 
 
-def _error_message(body: Any) -> str:
+def error_message(body: Any) -> str:
     """SGLang's three error shapes: {"error": str}, {"error": {"message"}}, {"message"}."""
     if isinstance(body, dict):
         err = body.get("error", body)
@@ -80,71 +67,6 @@ def _error_message(body: Any) -> str:
         if isinstance(err, dict) and "message" in err:
             return str(err["message"])
     return json.dumps(body)
-
-
-async def stream_generate(
-    session: aiohttp.ClientSession,
-    url: str,
-    payload: dict[str, Any],
-    *,
-    incremental: bool,
-    first_token_timeout_s: float,
-    between_events_timeout_s: float,
-) -> AsyncIterator[Delta]:
-    """POST /generate with stream=true and yield what each event adds. Every wait is bounded:
-    a worker that goes silent is a failed worker, never a hung request."""
-    sent_text, sent_ids, answered = 0, 0, False
-    try:
-        async with session.post(url + "/generate", json={**payload, "stream": True}) as resp:
-            answered = True
-            if resp.status >= 500:
-                raise WorkerFailed(f"{url} answered {resp.status}")
-            if resp.status != 200:
-                raise WorkerRejected(_error_message(await resp.json(content_type=None)))
-            lines = aiter(resp.content)
-            limit_s = first_token_timeout_s
-            while True:
-                try:
-                    async with asyncio.timeout(limit_s):
-                        raw = await anext(lines)
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:
-                    raise WorkerFailed(f"{url} sent nothing for {limit_s:.0f} s") from None
-                if not raw.startswith(b"data: "):
-                    continue
-                data = raw[len(b"data: ") :].strip()
-                if data == b"[DONE]":
-                    return
-                event = json.loads(data)
-                if "error" in event:
-                    err = event["error"]
-                    if isinstance(err, dict) and err.get("code", 400) < 500:
-                        raise WorkerRejected(_error_message(event))
-                    raise WorkerFailed(_error_message(event))
-                limit_s = between_events_timeout_s
-                meta = event["meta_info"]
-                text, ids = event["text"], event["output_ids"]
-                if incremental:
-                    new_text, new_ids = text, ids
-                else:
-                    new_text, new_ids = text[sent_text:], ids[sent_ids:]
-                    sent_text, sent_ids = len(text), len(ids)
-                yield Delta(
-                    new_text,
-                    tuple(new_ids),
-                    meta["completion_tokens"],
-                    meta.get("prompt_tokens", 0),
-                    meta["finish_reason"],
-                )
-    except (WorkerRejected, WorkerFailed):
-        raise
-    except Exception as exc:  # a reset, a malformed event, an oversized line: the worker's fault
-        lost = isinstance(exc, aiohttp.ClientError)
-        if lost and not answered:
-            raise WorkerUnreachable(f"{url}: {type(exc).__name__}: {exc}", connection_lost=True) from exc
-        raise WorkerFailed(f"{url}: {type(exc).__name__}: {exc}", connection_lost=lost) from exc
-    raise WorkerFailed(f"{url} ended the stream without [DONE]")
 
 
 ABORT_TIMEOUT_S = 5.0

@@ -1,0 +1,146 @@
+"""The agent's reader of a worker's streamed /generate: exact deltas in both of SGLang's stream
+forms, and every way a worker can fail a request told apart (refused, unreachable, broken,
+hostile)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from nodes.agent import worker_stream
+from nodes.agent.sglang import WorkerFailed, WorkerRejected, WorkerUnreachable
+from nodes.emulator.launch import EmulatorProcess as Emulator
+from nodes.emulator.launch import launch
+
+PAYLOAD = {"input_ids": list(range(1000, 1016)), "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}}
+
+
+class Events:
+    """What a call handed its owner, event by event."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.counts: list[int] = []
+        self.finish: Any = None
+
+    def __call__(self, text: str, ids: list[int], completion: int, prompt: int, finish: Any) -> None:
+        self.text.append(text)
+        self.ids.extend(ids)
+        self.counts.append(completion)
+        self.finish = finish
+
+
+@pytest.fixture(scope="module")
+def incremental() -> Iterator[Emulator]:
+    emu = launch(["--profile", "mi355x", "--workers", "1", "--speed", "20", "--incremental-streaming-output"])
+    yield emu
+    emu.stop()
+
+
+async def _generate(url: str, *, incremental: bool, payload: dict | None = None) -> Events:
+    events = Events()
+    call = await worker_stream.start(url, payload or PAYLOAD, incremental=incremental, on_event=events)
+    try:
+        async with asyncio.timeout(30):
+            await call.done
+    finally:
+        call.close()
+    return events
+
+
+@pytest.mark.parametrize("mode", ["cumulative", "incremental"])
+async def test_deltas_add_up_to_the_answer_in_either_stream_form(
+    mode: str, mi355x: Emulator, incremental: Emulator
+) -> None:
+    """Cumulative events (SGLang's default) and incremental ones give the same deltas: the ids and
+    text of the whole answer once each, counts that only grow, and the finish at the end."""
+    url = (incremental if mode == "incremental" else mi355x).urls[0]
+    events = await _generate(url, incremental=mode == "incremental")
+    assert len(events.ids) == 30
+    assert events.counts == sorted(events.counts) and events.counts[-1] == 30
+    assert events.finish == {"type": "length", "length": 30}
+    whole = await _generate(url, incremental=mode == "incremental")
+    assert "".join(whole.text) and len(whole.ids) == 30  # a second call on a fresh connection works too
+
+
+async def test_a_refusal_is_the_clients_fault(mi355x: Emulator) -> None:
+    """A sampling parameter SGLang does not know gets its 400, raised as WorkerRejected with the
+    worker's message."""
+    payload = {**PAYLOAD, "sampling_params": {"max_new_tokens": 3, "no_such_param": 1}}
+    with pytest.raises(WorkerRejected, match="no_such_param"):
+        await _generate(mi355x.urls[0], incremental=False, payload=payload)
+
+
+async def test_a_closed_port_is_unreachable() -> None:
+    """Nothing listening: WorkerUnreachable (another worker may take the request as new)."""
+    with pytest.raises(WorkerUnreachable):
+        await worker_stream.start("http://127.0.0.1:9", PAYLOAD, incremental=False, on_event=Events())
+
+
+async def _serve_bytes(reply: bytes, *, close: bool = True) -> tuple[asyncio.AbstractServer, str]:
+    """A hostile or broken peer: answers any request with `reply`, then hangs up (or not)."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(reply)
+        await writer.drain()
+        if close:
+            writer.close()
+        else:
+            await asyncio.sleep(3600)
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+@pytest.mark.parametrize(
+    ("reply", "error", "message"),
+    [
+        (HEAD + _chunk(b'data: {"text": "a", "output_ids": [1], "meta_info": {"completion_tokens": 1, '), WorkerFailed, "before the answer's end"),
+        (HEAD + _chunk(b"data: {not json}\n\n"), WorkerFailed, "malformed event"),
+        (HEAD + _chunk(b'data: {"text": "a"}\n\n'), WorkerFailed, "malformed event"),
+        (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n", WorkerFailed, "503"),
+        (b"NOT HTTP AT ALL\r\n\r\n", WorkerFailed, "malformed HTTP"),
+        (HEAD + _chunk(b'data: {"error": {"message": "boom", "code": 500}}\n\n'), WorkerFailed, "boom"),
+        (HEAD + _chunk(b'data: {"error": {"message": "bad stop", "code": 400}}\n\n'), WorkerRejected, "bad stop"),
+        (HEAD + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n", None, None),
+    ],
+    ids=["cut", "not-json", "not-sglang", "503", "not-http", "error-event", "refusal-event", "empty-answer"],
+)
+async def test_a_broken_or_hostile_worker_fails_the_request_clearly(reply: bytes, error, message) -> None:
+    """Whatever the worker sends, the call ends with the right kind of failure and a reason,
+    never an exception of the parser's and never a hang."""
+    server, url = await _serve_bytes(reply)
+    try:
+        if error is None:
+            events = await _generate(url, incremental=False)
+            assert events.ids == []
+        else:
+            with pytest.raises(error, match=message):
+                await _generate(url, incremental=False)
+    finally:
+        server.close()
+
+
+async def test_an_endless_event_is_cut_at_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An event that never ends is a broken worker once it passes MAX_EVENT_BYTES: the buffer is
+    bounded, the call fails."""
+    monkeypatch.setattr(worker_stream, "MAX_EVENT_BYTES", 10_000)
+    server, url = await _serve_bytes(HEAD + _chunk(b"data: " + b"x" * 20_000), close=False)
+    try:
+        with pytest.raises(WorkerFailed, match="over 10000 bytes"):
+            await _generate(url, incremental=False)
+    finally:
+        server.close()
