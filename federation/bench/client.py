@@ -12,6 +12,7 @@ open answer delivered, instead of waiting minutes for the longest ones to finish
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ import orjson
 from federation.bench.workload import Sample
 
 SITE_HEADER = "X-Federation-Site"  # set by our gateway; peers leave it out
+# Our gateway's `Server-Timing: hop;dur=MS`: from the request's arrival to its agent taking it.
+HOP = re.compile(r"(?:^|,)\s*hop;dur=([0-9.]+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,8 @@ class Result:
     site: str
     error: str | None = None
     cut: bool = False  # the client stopped reading at `stop_at`: `output_tokens` were received by `finished`
+    events: int = 0  # stream events that carried text
+    hop_ms: float | None = None  # the endpoint's `Server-Timing` hop (ours only)
 
     @property
     def ok(self) -> bool:
@@ -67,17 +72,20 @@ async def served_model(http: aiohttp.ClientSession, endpoint: str) -> str:
         return (await resp.json(content_type=None))["data"][0]["id"]  # the sglang-router says text/plain
 
 
-def body(model: str, sample: Sample) -> bytes:
-    return orjson.dumps(
-        {
-            "model": model,
-            "prompt": sample.prompt,
-            "max_tokens": sample.output_tokens,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        }
-    )
+def body(model: str, sample: Sample, stream_interval: int | None = None) -> bytes:
+    """With `stream_interval`, the client asks for the worker's own chunks (an extension of SGLang's
+    and ours; see federation/gateway/jobs.py) instead of the endpoint's."""
+    request = {
+        "model": model,
+        "prompt": sample.prompt,
+        "max_tokens": sample.output_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    if stream_interval is not None:
+        request["stream_interval"] = stream_interval
+    return orjson.dumps(request)
 
 
 async def send(
@@ -88,6 +96,7 @@ async def send(
     on_first_token: Callable[[], None] | None = None,
     started: float | None = None,
     stop_at: float | None = None,
+    stream_interval: int | None = None,
 ) -> Result:
     """Never raises for the endpoint's failures: they come back as a Result with `error`.
     `on_first_token` is called the moment the first text arrives (LoadGen's FirstTokenComplete).
@@ -97,25 +106,33 @@ async def send(
     endpoint that says its tokens only at the end is read to the end."""
     started, first, tokens, site = started or time.monotonic(), None, 0, ""
     counted_at: float | None = None  # when a chunk last said how many tokens had come
+    events, hop_ms = 0, None
+
+    def result(error: str | None = None, cut: bool = False, finished: float | None = None) -> Result:
+        end = finished or time.monotonic()
+        return Result(sample.index, started, first, end, tokens, site, error, cut, events, hop_ms)
+
     try:
         async with asyncio.timeout_at(stop_at) as window:
             async with http.post(
-                endpoint + "/completions", data=body(model, sample), headers={"Content-Type": "application/json"}
+                endpoint + "/completions",
+                data=body(model, sample, stream_interval),
+                headers={"Content-Type": "application/json"},
             ) as resp:
                 site = resp.headers.get(SITE_HEADER, "")
+                hop = HOP.search(resp.headers.get("Server-Timing", ""))
+                hop_ms = float(hop.group(1)) if hop else None
                 if resp.status != 200:
-                    text = (await resp.text())[:300]
-                    return Result(sample.index, started, None, time.monotonic(), 0, site, f"HTTP {resp.status}: {text}")
+                    return result(f"HTTP {resp.status}: {(await resp.text())[:300]}")
                 async for line in resp.content:
                     if not line.startswith(b"data: {"):
                         continue
                     event = orjson.loads(line[len(b"data: ") :])
                     if "error" in event:
-                        error = event["error"]
-                        return Result(
-                            sample.index, started, first, time.monotonic(), tokens, site, f"stream error: {error}"
-                        )
-                    if first is None and any(c.get("text") for c in event.get("choices", ())):
+                        return result(f"stream error: {event['error']}")
+                    has_text = any(c.get("text") for c in event.get("choices", ()))
+                    events += has_text
+                    if first is None and has_text:
                         first = time.monotonic()
                         if on_first_token is not None:
                             on_first_token()
@@ -125,11 +142,8 @@ async def send(
                         tokens, counted_at = event["usage"]["completion_tokens"], time.monotonic()
     except (aiohttp.ClientError, TimeoutError) as exc:
         if isinstance(exc, TimeoutError) and window.expired():
-            return Result(sample.index, started, first, counted_at or time.monotonic(), tokens, site, cut=True)
-        return Result(sample.index, started, first, time.monotonic(), tokens, site, f"{type(exc).__name__}: {exc}")
+            return result(cut=True, finished=counted_at)
+        return result(f"{type(exc).__name__}: {exc}")
     if tokens != sample.output_tokens:
-        return Result(
-            sample.index, started, first, time.monotonic(), tokens, site,
-            f"usage says {tokens} tokens, asked for {sample.output_tokens}",
-        )  # fmt: skip
-    return Result(sample.index, started, first, time.monotonic(), tokens, site)
+        return result(f"usage says {tokens} tokens, asked for {sample.output_tokens}")
+    return result()

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from federation import runtime
-from federation.bench import scenarios
+from federation.bench import datapath, scenarios
 from federation.bench.peers import ROUTER_POLICIES, FlatRouter
 from federation.bench.workload import MLPERF_LIKE_OUTPUTS, MLPERF_LIKE_PROMPTS, Sample, WorkloadSpec
 from federation.config import Config, load
@@ -71,7 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="Offline held loaded (every finished sample replaced at once), measured over this many GPU s after --warmup-s",
     )
-    p.add_argument("--warmup-s", type=runtime.positive_float, default=DEFAULT_WARMUP_S, help="of a sustained run")
+    p.add_argument(
+        "--warmup-s",
+        type=runtime.positive_float,
+        default=None,
+        help=f"of a sustained run (default {DEFAULT_WARMUP_S:.0f}) or of each --datapath phase ({datapath.WARMUP_S:.0f})",
+    )
     p.add_argument("--policy", choices=sorted(POLICIES), default="least_expected_delay")
     p.add_argument("--compare", type=_names(POLICIES), default=(), help="more of our policies to run, comma-separated")
     p.add_argument(
@@ -99,7 +104,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="decode steps per worker stream event, as SGLang's --stream-interval (1: per token, a real site's "
         "pace; more is coarser than real, and the JSON says so)",
     )
-    p.add_argument("--max-in-flight", type=runtime.positive_int, default=scenarios.MAX_IN_FLIGHT)
+    p.add_argument(
+        "--max-in-flight",
+        type=runtime.positive_int,
+        default=None,
+        help=f"open requests at most (default {scenarios.MAX_IN_FLIGHT:,}; --datapath: the sites' running slots)",
+    )
+    p.add_argument(
+        "--datapath",
+        action="store_true",
+        help="CPU per token per hop at SGLang's per-token pace, and the sglang-router's in the same run "
+        "(see federation/bench/datapath.py)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-mean", type=int, default=MLPERF_LIKE_OUTPUTS.mean)
     p.add_argument("--output-sigma", type=float, default=MLPERF_LIKE_OUTPUTS.sigma, help="log-normal spread; 0: fixed")
@@ -238,6 +254,10 @@ def _run_on(start, samples: Sequence[Sample], args: argparse.Namespace, speed: f
 
 def main(args: argparse.Namespace) -> int:
     samples = _workload(args).samples()
+    if args.datapath:
+        return _datapath(args, samples)
+    args.warmup_s = args.warmup_s or DEFAULT_WARMUP_S
+    args.max_in_flight = args.max_in_flight or scenarios.MAX_IN_FLIGHT
     if args.loadgen:
         return _loadgen(args, samples)
     if args.endpoint:
@@ -290,6 +310,19 @@ def _efficiency(report: dict, standalone: dict[str, dict]) -> dict[str, float]:
         "federation_efficiency": round(report["steady_output_tokens_per_s"] / steady, 4) if steady else 0.0,
         "federation_efficiency_to_last_completion": round(report["output_tokens_per_s"] / to_last, 4),
     }
+
+
+def _datapath(args: argparse.Namespace, samples: list[Sample]) -> int:
+    if args.endpoint:
+        print("fedctl bench: --datapath starts its own federation; it does not take --endpoint", file=sys.stderr)
+        return 2
+    args.warmup_s = args.warmup_s or datapath.WARMUP_S
+    args.sustain_s = args.sustain_s or datapath.WINDOW_S
+    config = datapath.datapath_config(args.config, args.speed or 1.0, args.stream_interval, _on_free_ports)
+    log_dir = (args.json.parent if args.json else Path(".")) / "bench-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with (log_dir / "datapath.log").open("w") as log:
+        return _write(datapath.run(args, samples, config, log), args.json)
 
 
 def _loadgen(args: argparse.Namespace, samples: list[Sample]) -> int:

@@ -24,7 +24,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,20 +119,31 @@ class Sustain:
 
 
 def run_sustained(
-    endpoint: str, samples: Sequence[Sample], open_requests: int, sustain: Sustain, speed: float, label: str
+    endpoint: str,
+    samples: Sequence[Sample],
+    open_requests: int,
+    sustain: Sustain,
+    speed: float,
+    label: str,
+    *,
+    stream_interval: int | None = None,
+    on_window: Callable[[tuple[float, float]], None] | None = None,
 ) -> tuple[list[Result], tuple[float, float]]:
     """Keep `open_requests` samples open (cycling through `samples`) until the window ends,
     then let the open ones finish, or with `cut_at_end` stop reading: they are `cut` with the
     tokens they had delivered (an endpoint that says its tokens only at the end has its begun
     answers read to the end). Returns every result and the window (time.monotonic(), shared by
-    every client process)."""
+    every client process), which `on_window` hears of before the clients start. With
+    `stream_interval` every request asks for the worker's own chunks (see client.body)."""
     start = time.monotonic() + START_DELAY_S + sustain.warmup_s / speed
     window = (start, start + sustain.window_s / speed)
+    if on_window is not None:
+        on_window(window)
     parts = max(1, math.ceil(open_requests / PER_PROCESS_IN_FLIGHT))
     lanes = math.ceil(open_requests / parts)
     cut_at = window[1] if sustain.cut_at_end else None
     clients = [
-        _Client(endpoint, samples[i::parts], lanes, window[1], cut_at, sustain.ramp_s / speed, label, i)
+        _Client(endpoint, samples[i::parts], lanes, window[1], cut_at, sustain.ramp_s / speed, label, i, stream_interval)
         for i in range(parts)
     ]
     if parts == 1:
@@ -154,6 +165,7 @@ class _Client:
     ramp_s: float
     label: str
     part: int
+    stream_interval: int | None = None
 
 
 def _sustain_in_process(client: _Client) -> list[Result]:
@@ -170,7 +182,10 @@ async def _sustain(c: _Client) -> list[Result]:
             async def lane(k: int) -> None:
                 await asyncio.sleep(c.ramp_s * k / c.lanes)
                 while time.monotonic() < c.stop_at:
-                    results.append(await send(http, c.endpoint, model, next(feed), stop_at=c.cut_at))
+                    sample = next(feed)
+                    results.append(
+                        await send(http, c.endpoint, model, sample, stop_at=c.cut_at, stream_interval=c.stream_interval)
+                    )
                     bar.update()
 
             await asyncio.gather(*(lane(k) for k in range(c.lanes)))
@@ -207,20 +222,22 @@ def steady_rate(results: Sequence[Result]) -> tuple[float, float]:
     return window_rate(results, (start, end)), end - start
 
 
-def window_rate(results: Sequence[Result], window: tuple[float, float]) -> float:
-    """Output tokens/s delivered within `window`, each answer's tokens counted as spread evenly
-    between its first token and its end (streams arrive in coarse chunks, so their own times
-    would say less)."""
+def window_rate(
+    results: Sequence[Result], window: tuple[float, float], count: Callable[[Result], int] = lambda r: r.output_tokens
+) -> float:
+    """Output tokens/s delivered within `window` (or another `count` of each answer's, e.g. its
+    events), each answer's counted as spread evenly between its first token and its end (streams
+    arrive in chunks, so their own times would say less)."""
     start, end = window
-    tokens = 0.0
+    total = 0.0
     for r in results:
         if not r.ok or r.first_token is None:
             continue
         span = r.finished - r.first_token
         overlap = min(end, r.finished) - max(start, r.first_token)
         if overlap > 0:
-            tokens += r.output_tokens * (overlap / span if span > 0 else 1.0)
-    return tokens / (end - start)
+            total += count(r) * (overlap / span if span > 0 else 1.0)
+    return total / (end - start)
 
 
 def summarize(
