@@ -98,7 +98,8 @@ class CpuSampler:
         assert self.window is not None
         time.sleep(max(0.0, self.window[0] - time.monotonic()))
         named = {pid for pids in self.kinds.values() for pid in pids}
-        clients = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in named]
+        me = psutil.Process()  # a run with one client process drives it from this one
+        clients = [me.pid, *(p.pid for p in me.children(recursive=True) if p.pid not in named)]
         procs = {kind: _processes(pids) for kind, pids in {**self.kinds, "client": clients}.items()}
         before = {kind: _times(ps) for kind, ps in procs.items()}
         time.sleep(max(0.0, self.window[1] - time.monotonic()))
