@@ -153,6 +153,7 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
     finally:
         metrics.request_done(outcome, generation.retries, generation.resumed)
         ttft_ms = (out.first_chunk_at - started) * 1000 if out.first_chunk_at else None
+        route_ms = (generation.routed_at - started) * 1000 if generation.routed_at else None
         bound.info(
             "request.done",
             site=answer.site,
@@ -160,6 +161,7 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
             outcome=outcome,
             error=error,
             ttft_ms=ttft_ms,
+            route_ms=route_ms,  # from arrival to the first route decided (parse, tokens, the scheduler)
             output_tokens=answer.completion_tokens,
             prompt_tokens=job.request.prompt_tokens,
             retries=generation.retries,

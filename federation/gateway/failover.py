@@ -130,6 +130,7 @@ class Generation:
         self.resumed = 0
         self.sites: list[str] = []  # every site that sent this answer tokens, in order
         self.accepted_unix_s = 0.0  # when the first site's agent took the request (wall clock)
+        self.routed_at: float | None = None  # when the first route was decided (time.monotonic())
         self._tried: set[str] = set()  # sites that failed this request since it last made progress
         self._held_s = 0.0  # seconds sites held it before failing it, in this search for a site (not in the budget)
         self._produced = 0  # tokens the client has been sent
@@ -173,14 +174,16 @@ class Generation:
         self._out.chunk(chunk)
 
     def _on_delta(self, site: str, stream: SiteStream, delta: wire.TokenDelta) -> None:
-        """A site's delta, as the upstream reads it. SGLang's abort finish means the worker gave up
-        on the request: the site failed it (its tokens so far still count)."""
+        """A site's delta, as the upstream reads it (at the token rate: the common case first).
+        SGLang's abort finish means the worker gave up on the request: the site failed it (its
+        tokens so far still count)."""
         finish = delta.finish_reason
-        aborted = finish is not None and finish.get("type") == "abort"
-        if aborted:
-            finish = None
+        if finish is None:
+            self._deliver(self._continued(delta, None, site))
+            return
+        aborted = finish.get("type") == "abort"
         if delta.output_ids or delta.text or not aborted:
-            self._deliver(self._continued(delta, finish, site))
+            self._deliver(self._continued(delta, None if aborted else finish, site))
         if aborted:
             stream.fail(UpstreamFailed(f"site {site} aborted the generation"))
 
@@ -211,6 +214,7 @@ class Generation:
         route, self._first_route = self._first_route or self.schedulers.route, None
         try:
             decision = await route(route_request)
+            self.routed_at = self.routed_at or time.monotonic()
         except NoCapacity:
             self._tried.clear()  # every site failed it once: each may be tried again after the backoff
             raise
@@ -248,9 +252,9 @@ class Generation:
         self._text_parts.append(delta.text)
         produced = self._offset + delta.completion_tokens
         if produced > self._produced:
-            metrics.tokens_relayed(site, produced - self._produced)
+            metrics.RELAYED[site] += produced - self._produced
         self._produced = produced
-        if self._offset and finish is not None and finish.get("type") == "length":
+        if finish is not None and self._offset and finish.get("type") == "length":
             finish = {**finish, "length": self._max_new_tokens}
         return Chunk(delta.text, delta.output_ids, produced, finish, site)
 

@@ -36,21 +36,18 @@ OUTPUT_TOKENS = Counter(
 )
 
 
-# Tokens relayed since the last flush, by site: counted per chunk here (a dict add), and added to
-# the Prometheus counter once a FLUSH_INTERVAL_S (in multiprocess mode every increment is a
-# write to a shared file: per chunk, a few % of the gateway's CPU at per-token pace).
-_relayed: dict[str, int] = defaultdict(int)
+# Tokens relayed since the last flush, by site: counted per chunk here (`RELAYED[site] += n`, a
+# dict add), and added to the Prometheus counter once a FLUSH_INTERVAL_S and as each request ends
+# (in multiprocess mode every increment is a write to a shared file: per chunk, a few % of the
+# gateway's CPU at per-token pace).
+RELAYED: dict[str, int] = defaultdict(int)
 FLUSH_INTERVAL_S = 0.5
 
 
-def tokens_relayed(site: str, count: int) -> None:
-    _relayed[site] += count
-
-
 def flush_relayed() -> None:
-    for site, count in _relayed.items():
+    for site, count in RELAYED.items():
         OUTPUT_TOKENS.labels(site).inc(count)
-    _relayed.clear()
+    RELAYED.clear()
 
 
 async def flush_forever() -> None:

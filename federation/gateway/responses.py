@@ -132,20 +132,21 @@ class Answer:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return sse({**self._head("chat.completion.chunk"), "choices": [choice]})
 
-    def chunk_events(self, chunk: Chunk, e2e_latency_s: float) -> bytes:
-        """The events for one chunk (already added to the answer)."""
+    def chunk_events(self, chunk: Chunk, started: float) -> bytes:
+        """The events for one chunk (already added to the answer); `started` is when the request
+        arrived (time.monotonic()), for /generate's latency."""
         if self.job.kind == "generate":  # SGLang's cumulative form
             self._text_json += orjson.dumps(chunk.text)[1:-1]
             if chunk.output_ids:
                 self._ids_json += (b"," if self._ids_json else b"") + orjson.dumps(chunk.output_ids)[1:-1]
             final = chunk.finish_reason is not None
-            meta = orjson.dumps(self.meta_info(e2e_latency_s if final else None))
+            meta = orjson.dumps(self.meta_info(time.monotonic() - started if final else None))
             return b'data: {"text":"%b","output_ids":[%b],"meta_info":%b}\n\n' % (self._text_json, self._ids_json, meta)
         if not chunk.text:
             return b""
         if not self._template:
             self._template = self._text_template()
-        if self.job.continuous_usage:
+        if len(self._template) == 3:  # continuous usage: the tokens so far on every chunk
             before, between, after = self._template
             prompt, completion = self.job.request.prompt_tokens, self.completion_tokens
             counts = _USAGE % (prompt, completion, prompt + completion)

@@ -84,14 +84,14 @@ class SseClient:
         self._queued = False
 
     def chunk(self, chunk: Chunk) -> None:
-        self.answer.add(chunk)
-        data = self.answer.chunk_events(chunk, time.monotonic() - self._started)
-        if not data:
-            return
-        self._pending.append(data)
-        if self._transport is not None and not self._queued:
-            self._queued = True
-            self._writes.add(self)
+        answer = self.answer
+        answer.add(chunk)
+        data = answer.chunk_events(chunk, self._started)
+        if data:
+            self._pending.append(data)
+            if not self._queued and self._transport is not None:
+                self._queued = True
+                self._writes.add(self)
 
     async def opened(self, site: str) -> None:
         self.first_chunk_at = time.monotonic()
@@ -111,7 +111,7 @@ class SseClient:
         transport = self._transport
         if not self._pending or transport is None or transport.is_closing():
             return
-        data = b"".join(self._pending)
+        data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
         self._pending.clear()
         if not data:
             return

@@ -47,6 +47,7 @@ KEEPALIVE_OPTIONS = (
 )
 
 Deliver = Callable[["SiteStream", wire.TokenDelta], None]
+NO_ERROR = wire.StreamError.NONE
 
 
 class SiteStream:
@@ -68,22 +69,22 @@ class SiteStream:
         """A failure before any token fails `first` (the request may go to another site); after
         it, `done` (the answer may be resumed elsewhere)."""
         self.last_at = now
-        failed = delta.error is not wire.StreamError.NONE
+        failed = delta.error is not NO_ERROR
         if failed and not (delta.output_ids or delta.text):
             self.fail(self._call.error(delta))
             return
-        if not self.first.done():
-            self.first.set_result(delta)
+        first = self.first
+        if not first.done():
+            first.set_result(delta)
         try:
             self._deliver(self, delta)
         except Exception:  # a bug of ours: this request fails, the others on the call go on
             log.exception("upstream.deliver_failed", agent=self._call.address)
             self.fail(UpstreamFailed("internal error in the gateway while relaying the answer"))
-        if self.done.done():  # its deliver may have ended it
-            return
         if failed:
-            self.fail(self._call.error(delta))
-        elif delta.finish_reason is not None:
+            if not self.done.done():  # its deliver may have ended it
+                self.fail(self._call.error(delta))
+        elif delta.finish_reason is not None and not self.done.done():
             self._call.forget(self.number)
             self.done.set_result(None)
 
