@@ -32,9 +32,12 @@ from federation.processes import free_port_block
 from scheduler.capacity import prior_capacity_tok_s
 from scheduler.policy import POLICIES
 
-# 32 emulated GPUs, ~18 k open streams and every hop of the federation on two cores: a
-# half of real speed keeps the CPU out of the measurement (see docs/BENCHMARKS.md).
-BENCH_SPEED = 0.5
+# 32 emulated GPUs at SGLang's per-token pace, their clients and every hop of the federation on
+# two cores: every token costs ~85 µs of CPU across the processes (`--datapath`, emulator and
+# clients included), so two cores carry ~23 k tokens/s at most; a twentieth of real speed
+# (~13 k tokens/s from the embedded default) keeps them about half busy, the CPU out of the
+# measurement (see docs/BENCHMARKS.md).
+BENCH_SPEED = 0.05
 DEFAULT_REQUESTS = 20_000
 BENCH_GATEWAY_PROCESSES = 2  # 24 k open requests need two processes' file descriptors
 SEARCH_STEPS = 4  # bisection steps of the Server rate search: the answer within ~1 % of Offline

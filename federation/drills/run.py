@@ -49,9 +49,10 @@ from federation.drills.sampler import SiteTokenSampler, gateway_counters
 from federation.drills.target import DrillError, DrillRefused, Target
 from federation.embedded import Federation
 
-# 32 emulated GPUs and ~18 k open streams take ~1.3 of the 2 cores here, leaving room to fail
-# over (at 0.25 they took both, and agents' reports came late).
-DRILL_SPEED = 0.125
+# 32 emulated GPUs and ~18 k open streams at SGLang's per-token pace: at a twentieth of real
+# speed (~13 k tokens/s, ~85 µs of CPU each across the processes) they take about half of the 2
+# cores here, leaving room to fail over.
+DRILL_SPEED = 0.05
 # Short answers: requests end and new ones are routed all the time, so shares and recovery show
 # within seconds (MLPerf-length answers live minutes at a quarter speed).
 DRILL_OUTPUT_TOKENS = LengthDistribution(200, 0.3)
@@ -62,7 +63,7 @@ DRILL_OPEN_REQUESTS = 18_000
 # or the federation would not need it to deliver the sum of its parts.
 ADD_SITE_OPEN_REQUESTS = 32_000
 GATEWAY_STREAMS_PER_PROCESS = 18_000  # each open request holds a socket; the fd limit is 20,000
-DRILL_WARMUP_S = 240.0  # wall: the ramp (half of it), then an answer's lifetime (~100 s) at full load
+DRILL_WARMUP_S = 420.0  # wall: the ramp (half of it), then an answer's lifetime (~300 s at DRILL_SPEED) at full load
 # The site hit (added, for add-site); any other drill: the remote one.
 DEFAULT_SITE = {"site-brownout": "us-mi355x", "worker-loss": "us-mi355x", "add-site": "eu-mi355x"}
 REMOTE_SITE = "kr-mi300x"
