@@ -161,7 +161,12 @@ async def _progress(label: str, window: Window, until: float) -> None:
 
 async def run_fidelity(args: argparse.Namespace) -> dict[str, Any]:
     workload = Workload()
-    results: dict[str, Any] = {"speed": args.speed, "workload": asdict(workload), "profiles": {}}
+    results: dict[str, Any] = {
+        "speed": args.speed,
+        "stream_interval": args.stream_interval,  # coarser than a real site's 1: this measures pace, not relaying
+        "workload": asdict(workload),
+        "profiles": {},
+    }
     emulators: dict[str, EmulatorProcess] = {}
     try:
         for name in ("mi300x", "mi355x"):

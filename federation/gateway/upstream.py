@@ -166,7 +166,7 @@ class _Call:
             self._break(exc)
 
     async def _read_forever(self) -> None:
-        touched = 0
+        since_yield = 0
         try:
             while True:
                 pb = await self._grpc.read()
@@ -178,9 +178,9 @@ class _Call:
                     stream = self.streams.get(delta.stream)
                     if stream is not None:
                         stream.receive(delta, now)
-                    touched += 1
-                    if touched >= DELTAS_PER_TURN:
-                        touched = 0
+                    since_yield += 1
+                    if since_yield >= DELTAS_PER_TURN:
+                        since_yield = 0
                         await asyncio.sleep(0)
         except grpc.aio.AioRpcError as exc:
             self._break(exc)
