@@ -81,7 +81,14 @@ class Config:
         return tuple(f"{self.host}:{self.scheduler_port + i}" for i in range(self.scheduler_replicas))
 
     def rtt_between(self, a: str, b: str) -> float:
-        return 0.0 if a == b else self.rtt_ms.get((a, b), 0.0)
+        """The round trip between two regions; ConfigError when `links` does not say it (a
+        missing link is a typo far more often than a 0-ms ocean)."""
+        if a == b:
+            return 0.0
+        try:
+            return self.rtt_ms[(a, b)]
+        except KeyError:
+            raise ConfigError(f"no `links` entry between {a} and {b}: say its rtt_ms") from None
 
     def with_overrides(
         self,
@@ -183,7 +190,7 @@ def parse(text: str, source: str = "config") -> Config:
         )
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise ConfigError(f"{source}: stream_interval must be an integer >= 1")
-    return Config(
+    config = Config(
         model=str(raw.get("model", "openai/gpt-oss-120b")),
         host=str(raw.get("host", "127.0.0.1")),
         speed=float(speed),
@@ -199,6 +206,34 @@ def parse(text: str, source: str = "config") -> Config:
         sites=tuple(sites),
         scheduler_replicas=replicas,
     )
+    try:
+        for site in config.sites:
+            config.rtt_between(site.region, config.gateway_region)
+            config.rtt_between(site.region, config.scheduler_region)
+        config.rtt_between(config.gateway_region, config.scheduler_region)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    _check_ports(config, source)
+    return config
+
+
+def _check_ports(config: Config, source: str) -> None:
+    """Two listeners on one port fail only at start-up, half-started; say it when the file is read."""
+    owners: dict[int, str] = {}
+
+    def claim(port: int, owner: str) -> None:
+        if port in owners:
+            raise ConfigError(f"{source}: port {port} is both {owners[port]}'s and {owner}'s")
+        owners[port] = owner
+
+    claim(config.gateway_port, "the gateway")
+    for i in range(config.scheduler_replicas):
+        claim(config.scheduler_port + i, f"scheduler replica {i}")
+    for site in config.sites:
+        claim(site.agent_port, f"{site.name}'s agent")
+        if site.worker_port is not None:
+            for gpu in range(site.gpus):
+                claim(site.worker_port + gpu, f"{site.name}'s worker {gpu}")
 
 
 def load(path: Path | None = None) -> Config:

@@ -61,7 +61,8 @@ class ControlServer:
         self._thread.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for a serve_forever() that never ran otherwise
+            self._server.shutdown()
         self._server.server_close()
         self.path.unlink(missing_ok=True)
 

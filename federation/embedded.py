@@ -127,6 +127,8 @@ class Federation:
         every scheduler replica has it ready (it then earns its share by slow start)."""
         if any(s.name == site.name for s in self.config.sites):
             raise ValueError(f"a site named {site.name!r} is already in this federation")
+        self.config.rtt_between(site.region, self.config.gateway_region)  # ConfigError before anything starts
+        self.config.rtt_between(site.region, self.config.scheduler_region)
         self.config = dataclasses.replace(self.config, sites=(*self.config.sites, site))
         started = len(self.children)
         self._start_site(site)

@@ -4,14 +4,17 @@ the rest itself, handing each to whichever worker frees a slot first."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import aiohttp
 import pytest
 
 from federation import wire
+from federation.errors import UpstreamFailed
 from federation.gateway.upstream import SiteStream, Upstream
 from federation.processes import free_port_block, start_python
-from nodes.agent.pool import HEADROOM_MIN
+from nodes.agent.pool import FAILURES_TO_UNHEALTHY, HEADROOM_MIN, HEALTH_INTERVAL_S, HEALTH_TIMEOUT_S
 from nodes.emulator.launch import launch
 
 RUNNING_LIMIT = 2
@@ -72,3 +75,50 @@ async def test_requests_beyond_the_workers_limits_wait_at_the_agent_and_all_comp
         emulator.stop()
     assert results == [40] * REQUESTS
     assert all(0 < p <= RUNNING_LIMIT + HEADROOM_MIN for p in peak.values()), peak
+
+
+@pytest.mark.timeout(90)
+async def test_a_site_that_loses_every_worker_fails_its_queue_at_once() -> None:
+    """Requests waiting for their first token when every worker hangs (in the agent's queue, or
+    queued at a worker) end with a failure (so the gateway sends them elsewhere) once the health
+    checks give the workers up, not after the 1,800-s first-token timeout. (Hung, not crashed: a crash also frees the slots the
+    waiters then fail on, which would hide whether the queue itself is failed.)"""
+    emulator = launch(
+        ["--profile", "mi355x", "--workers", "2", "--speed", "1", "--max-running-requests", str(RUNNING_LIMIT)]
+    )
+    port = free_port_block(1)
+    agent_args = ["--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "2", "--port", str(port)]
+    agent_args += ["--scheduler", f"127.0.0.1:{free_port_block(1)}"]
+    for url in emulator.urls:
+        agent_args += ["--worker-url", url]
+    agent = start_python("agent", "nodes.agent", agent_args)
+    upstream = Upstream()
+    try:
+        req = [
+            wire.GenerateRequest(f"w{i}", 8, {"max_new_tokens": 2000, "ignore_eos": True}, input_ids=tuple(range(8)))
+            for i in range(REQUESTS)
+        ]
+        streams = [upstream.start(f"127.0.0.1:{port}", r, lambda s, d: None) for r in req]
+        async with asyncio.timeout(30):
+            await asyncio.wait([s.first for s in streams], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.sleep(1.0)  # the workers hold their limits plus headroom; the rest wait at the agent
+        waiting = [s for s in streams if not s.first.done()]
+        assert waiting, "every request reached a worker: nothing waited at the agent"
+        os.kill(emulator.pid, signal.SIGSTOP)  # both workers hang: connections open, nothing answers
+        killed_at = asyncio.get_running_loop().time()
+        async with asyncio.timeout(60):
+            results = await asyncio.gather(*(s.first for s in waiting), return_exceptions=True)
+        waited_s = asyncio.get_running_loop().time() - killed_at
+        assert all(isinstance(r, UpstreamFailed) for r in results), results
+        reasons = {"lost every worker", "stopped answering its health checks"}  # at the agent; at a worker
+        assert all(any(why in str(r) for why in reasons) for r in results), results
+        # Hung workers are given up by their health checks (each waits HEALTH_TIMEOUT_S); a bound
+        # far under the first-token timeout the queue used to wait for.
+        assert waited_s < 4 * FAILURES_TO_UNHEALTHY * (HEALTH_INTERVAL_S + HEALTH_TIMEOUT_S)
+    finally:
+        for s in streams:
+            s.close()
+        await upstream.close()
+        agent.stop()
+        emulator.proc.kill()
+        emulator.stop()

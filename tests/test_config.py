@@ -55,3 +55,66 @@ def test_fedctl_reports_a_bad_config_without_a_traceback(tmp_path: Path) -> None
     )
     assert proc.returncode == 2
     assert "must be a mapping" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        (  # an agent on the gateway's port
+            "sites: [{name: a, region: us-west-2, gpu: mi300x, gpus: 1, agent_port: 8080}]",
+            "port 8080 is both the gateway's and a's agent's",
+        ),
+        (  # worker blocks that overlap
+            "sites: [{name: a, region: us-west-2, gpu: mi300x, gpus: 4, agent_port: 9000, worker_port: 9100},"
+            " {name: b, region: us-west-2, gpu: mi300x, gpus: 2, agent_port: 9001, worker_port: 9103}]",
+            "port 9103 is both a's worker 3's and b's worker 0's",
+        ),
+        (  # the second scheduler replica on an agent's port
+            "scheduler: {port: 50051, replicas: 2}\n"
+            "sites: [{name: a, region: us-west-2, gpu: mi300x, gpus: 1, agent_port: 50052}]",
+            "port 50052 is both scheduler replica 1's and a's agent's",
+        ),
+        (  # a region the links do not reach: not a silent 0-ms round trip
+            "sites: [{name: a, region: sa-east-1, gpu: mi300x, gpus: 1, agent_port: 9000}]",
+            "no `links` entry between sa-east-1 and us-west-2",
+        ),
+    ],
+)
+def test_clashes_and_missing_links_are_refused_when_read(text: str, fragment: str) -> None:
+    """What would fail half-way through start-up (or run at a made-up 0 ms) fails when the file is read."""
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        parse("gateway: {port: 8080, region: us-west-2}\n" + text)
+
+
+def test_fedctl_up_with_a_port_clash_exits_2_and_leaves_nothing_running(tmp_path: Path) -> None:
+    """One line, exit 2, and no child process started."""
+    bad = tmp_path / "clash.yaml"
+    bad.write_text(
+        "gateway: {port: 18080, region: us-west-2}\nscheduler: {port: 18051}\n"
+        "sites: [{name: a, region: us-west-2, gpu: mi300x, gpus: 1, agent_port: 18051}]\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "federation.cli", "up", "--config", str(bad)],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "port 18051" in proc.stderr and "Traceback" not in proc.stderr
+    assert subprocess.run(["pgrep", "-f", str(bad)], capture_output=True).returncode == 1  # none left
+
+
+def test_control_server_stops_even_if_it_never_started(tmp_path: Path) -> None:
+    """`fedctl up` failing before it serves its control socket still cleans it up (it used to hang)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from pathlib import Path; from federation.control import ControlServer; "
+            f"ControlServer(Path({str(tmp_path / 'c.sock')!r}), lambda r: {{}}).stop()",
+        ],
+        cwd=PROJECT_ROOT,
+        timeout=20,
+    )
+    assert proc.returncode == 0 and not (tmp_path / "c.sock").exists()

@@ -108,7 +108,11 @@ def _chunk(data: bytes) -> bytes:
 @pytest.mark.parametrize(
     ("reply", "error", "message"),
     [
-        (HEAD + _chunk(b'data: {"text": "a", "output_ids": [1], "meta_info": {"completion_tokens": 1, '), WorkerFailed, "before the answer's end"),
+        (
+            HEAD + _chunk(b'data: {"text": "a", "output_ids": [1], "meta_info": {"completion_tokens": 1, '),
+            WorkerFailed,
+            "before the answer's end",
+        ),
         (HEAD + _chunk(b"data: {not json}\n\n"), WorkerFailed, "malformed event"),
         (HEAD + _chunk(b'data: {"text": "a"}\n\n'), WorkerFailed, "malformed event"),
         (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n", WorkerFailed, "503"),

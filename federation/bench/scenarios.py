@@ -143,7 +143,9 @@ def run_sustained(
     lanes = math.ceil(open_requests / parts)
     cut_at = window[1] if sustain.cut_at_end else None
     clients = [
-        _Client(endpoint, samples[i::parts], lanes, window[1], cut_at, sustain.ramp_s / speed, label, i, stream_interval)
+        _Client(
+            endpoint, samples[i::parts], lanes, window[1], cut_at, sustain.ramp_s / speed, label, i, stream_interval
+        )
         for i in range(parts)
     ]
     if parts == 1:

@@ -96,9 +96,9 @@ class WorkerPool:
         try:
             return await waiter
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 self.release(waiter.result())  # handed a slot just as the caller left
-            else:
+            elif waiter in self._waiters:  # _dispatch may have dropped it already
                 self._waiters.remove(waiter)
             raise
 
@@ -160,6 +160,7 @@ class WorkerPool:
         if worker.healthy and worker.failures >= FAILURES_TO_UNHEALTHY:
             worker.healthy = False
             log.warning("worker.unhealthy", worker=worker.url, failures=worker.failures)
+            self._fail_waiters_if_none_healthy()
 
     def _count_finished(self, before: sglang.WorkerStats | None, now: sglang.WorkerStats) -> None:
         """Add what the worker finished since its last scrape to the site's totals."""
@@ -172,6 +173,18 @@ class WorkerPool:
         if worker.healthy:
             worker.healthy = False
             log.warning("worker.unhealthy", worker=worker.url, reason="request failed")
+            self._fail_waiters_if_none_healthy()
+
+    def _fail_waiters_if_none_healthy(self) -> None:
+        """With no healthy worker left, the queue would wait for one that may never come back:
+        every waiting request fails now, so the gateway sends it to another site."""
+        if self.healthy_count or not self._waiters:
+            return
+        log.warning("site.no_healthy_worker", failed_waiting=len(self._waiters))
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(NoHealthyWorker("the site lost every worker while this request waited"))
 
 
 def _increase(before: float, now: float) -> float:

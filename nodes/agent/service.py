@@ -21,7 +21,7 @@ from federation.work import expected_output_tokens
 from nodes.agent import sglang, worker_stream
 from nodes.agent.delivered import DeliveredRate
 from nodes.agent.join import JoinGate
-from nodes.agent.pool import NoHealthyWorker, Worker, WorkerPool
+from nodes.agent.pool import FAILURES_TO_UNHEALTHY, NoHealthyWorker, Worker, WorkerPool
 from nodes.agent.relay import COALESCE_S, RelayCall, Relayed
 
 log = structlog.get_logger("agent")
@@ -103,7 +103,7 @@ class SiteAgentService(wire.SiteAgentServicer):
         self.address = address  # what the site registers: where the gateways dial it
         self.ledger = _Ledger()
         self.delivered = DeliveredRate()
-        self._calls: set[worker_stream.WorkerCall] = set()  # to workers, for the watcher
+        self._calls: dict[worker_stream.WorkerCall, Worker] = {}  # to workers, for the watcher
         self._held: dict[Relayed, _Held] = {}  # generations at a worker: what they hold in the ledger
         self._aborts: set[asyncio.Future[None]] = set()  # keep them alive until they finish
 
@@ -210,7 +210,7 @@ class SiteAgentService(wire.SiteAgentServicer):
         worker_done = False
         try:
             call = await worker_stream.start(worker.url, payload, incremental=worker.incremental, on_event=record.event)
-            self._calls.add(call)
+            self._calls[call] = worker
             await call.done
             worker_done = True
         except sglang.WorkerRejected:
@@ -224,7 +224,7 @@ class SiteAgentService(wire.SiteAgentServicer):
             raise
         finally:
             if call is not None:
-                self._calls.discard(call)
+                self._calls.pop(call, None)
                 call.close()
             # Cancelled (the gateway gave up) or failed: the worker must stop too.
             if not worker_done:
@@ -237,11 +237,16 @@ class SiteAgentService(wire.SiteAgentServicer):
     async def watch_calls(self) -> None:
         """Bounds every worker call's waits (one check a second for all of them, not a timer per
         read): no first event within FIRST_TOKEN_TIMEOUT_S, or none for BETWEEN_EVENTS_TIMEOUT_S
-        after it, and the worker has failed the request."""
+        after it, and the worker has failed the request. A worker its health checks gave up on
+        (hung: connections open, nothing answers) fails its requests at once, so they go on
+        elsewhere instead of waiting out those bounds."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             now = time.monotonic()
-            for call in list(self._calls):
+            for call, worker in list(self._calls.items()):
+                if worker.failures >= FAILURES_TO_UNHEALTHY:
+                    call.fail(sglang.WorkerFailed("the worker stopped answering its health checks"))
+                    continue
                 if call.last_event_at is None:
                     silent_s, limit_s = now - call.started_at, FIRST_TOKEN_TIMEOUT_S
                 else:
