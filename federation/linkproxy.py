@@ -2,7 +2,8 @@
 
 tc netem is unavailable on our machines, so benchmarks and drills put one of these between a
 client and a region instead: every byte arrives one one-way delay (rtt_ms / 2) after it was sent,
-in order, in each direction, and `cut()` / `heal()` emulate a partition.
+in order, in each direction, and `cut()` / `blackhole()` / `heal()` emulate a partition: one that
+resets connections (a crashed or unreachable peer) or one that drops every byte silently.
 
 Each direction is a delay line: the reading side stamps every chunk with `read time + delay` and
 queues it; the writing side sleeps until that due time and writes. A burst of chunks therefore
@@ -15,7 +16,8 @@ Not emulated: bandwidth limits, loss and jitter; and connection setup is not del
 
 Example: `python -m federation.linkproxy --listen 127.0.0.1:7001 --target 127.0.0.1:30000 --rtt-ms 130`
 prints one JSON `ready` line on stdout when listening and stops cleanly on SIGTERM or SIGINT.
-SIGUSR1 cuts every link it carries and SIGUSR2 heals them: how drills partition a site.
+SIGUSR1 cuts every link it carries, SIGRTMIN blackholes them (connections stay open, nothing
+arrives either way) and SIGUSR2 heals them: how drills partition a site or a scheduler.
 Repeat `--listen`/`--target` to carry several links with the same RTT in one process (the n-th
 `--listen` leads to the n-th `--target`): a router that dials 16 workers across the WAN needs one
 proxy process, not 16.
@@ -32,6 +34,7 @@ import signal
 import socket
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -46,6 +49,7 @@ READ_SIZE_BYTES = 64 * 1024  # large reads keep CPU per MB low; several MB/s cos
 # ~60 MB/s per connection (more than one TCP stream gets over a real WAN) and bounds memory when
 # the far side stops reading: past it we stop reading, and TCP pushes back on the sender.
 MAX_IN_FLIGHT_BYTES = 4 * 1024 * 1024
+BLACKHOLE_SIGNAL = signal.SIGRTMIN  # drills send it to drop a link's packets (SIGUSR1 resets them)
 CONNECT_TIMEOUT_S = 10.0  # a target that has not accepted in 10 s is down; the client gets a reset
 CLOSE_TIMEOUT_S = 5.0  # a peer that won't take the last bytes in 5 s gets a reset instead
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST, not FIN
@@ -108,12 +112,19 @@ class _Connection:
 class _DelayLine:
     """One direction: bytes read at t are written at t + delay_s, in order, EOF included."""
 
-    __slots__ = ("_queue", "_queued_bytes", "_room", "carried_bytes", "delay_s", "reader", "writer")
+    __slots__ = ("_dropping", "_queue", "_queued_bytes", "_room", "carried_bytes", "delay_s", "reader", "writer")
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        delay_s: float,
+        dropping: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.reader = reader
         self.writer = writer
         self.delay_s = delay_s
+        self._dropping = dropping  # True while the link is blackholed: what is read vanishes
         self.carried_bytes = 0
         self._queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()  # (due time, chunk)
         self._queued_bytes = 0
@@ -125,6 +136,10 @@ class _DelayLine:
         while True:
             await self._room.wait()  # backpressure: stop reading while the far side lags
             data = await self.reader.read(READ_SIZE_BYTES)
+            if self._dropping():
+                if not data:
+                    return  # a blackhole drops the FIN too: the far side never hears of it
+                continue
             self._queue.put_nowait((loop.time() + self.delay_s, data))
             if not data:  # EOF travels down the line like any chunk
                 return
@@ -161,6 +176,7 @@ class LinkProxy:
         self._connections: set[_Connection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._cut = False
+        self._dropping = False  # blackholed: connections stay open, every byte is dropped
         self._stopping = False
         self._log = log.bind(
             listen=f"{link.listen_host}:{link.listen_port}",
@@ -209,8 +225,16 @@ class LinkProxy:
         self._log.warning("link.cut", reset_connections=len(self._connections))
         self._reset_all("cut")
 
+    def blackhole(self) -> None:
+        """Partition that drops packets instead of refusing them: every open connection and
+        each new one stays open, and nothing arrives in either direction until `heal()`."""
+        self._dropping = True
+        self._log.warning("link.blackholed", open_connections=len(self._connections))
+
     def heal(self) -> None:
-        self._cut = False
+        if self._dropping:  # the bytes dropped broke every stream that was open: end them
+            self._reset_all("blackholed")
+        self._cut = self._dropping = False
         self._log.info("link.healed")
 
     async def __aenter__(self) -> LinkProxy:
@@ -221,6 +245,9 @@ class LinkProxy:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.stop()
+
+    def _is_dropping(self) -> bool:
+        return self._dropping
 
     def _reset_all(self, outcome: str) -> None:
         for conn in self._connections:
@@ -265,8 +292,9 @@ class LinkProxy:
                 return
             clog.debug("link.connection_opened")
             delay_s = self.link.one_way_delay_s
-            up = _DelayLine(client_reader, conn.upstream, delay_s)
-            down = _DelayLine(upstream_reader, conn.client, delay_s)
+            dropping = self._is_dropping
+            up = _DelayLine(client_reader, conn.upstream, delay_s, dropping)
+            down = _DelayLine(upstream_reader, conn.client, delay_s, dropping)
             try:
                 async with asyncio.TaskGroup() as tg:
                     for line in (up, down):
@@ -371,6 +399,7 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, lambda: [p.cut() for p in proxies])
     loop.add_signal_handler(signal.SIGUSR2, lambda: [p.heal() for p in proxies])
+    loop.add_signal_handler(BLACKHOLE_SIGNAL, lambda: [p.blackhole() for p in proxies])
     links = [
         {"listen": _join(p.link.listen_host, p.port), "target": _join(p.link.target_host, p.link.target_port)}
         for p in proxies

@@ -28,8 +28,8 @@ GRPC_SERVER_OPTIONS = (
     ("grpc.server.max_pending_requests", 50_000),
     ("grpc.server.max_pending_requests_hard_limit", 100_000),
     ("grpc.server_max_unrequested_time_in_server", 1800),  # seconds: as long as a first token may take
-    # Gateways ping their agents every second to find a silent partition (gateway/upstream.py):
-    # such pings must not count as abuse (by default a server answers them with GOAWAY).
+    # Clients ping every second to find a silent partition (GRPC_KEEPALIVE_OPTIONS): such pings
+    # must not count as abuse (by default a server answers them with GOAWAY).
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
     ("grpc.http2.max_ping_strikes", 0),
     # A gateway's GenerateCommand carries its prompts; it sends at most GENERATE_COMMAND_BYTES
@@ -49,6 +49,16 @@ GRPC_CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.min_reconnect_backoff_ms", 10_000),
+)
+# A peer that crashed or was cut off resets its connections, and calls fail at once. One whose
+# packets just stop (a link that drops them: a blackhole) is found by HTTP/2 pings: one
+# unanswered for KEEPALIVE_TIMEOUT_MS fails every call on the connection, so it is known within
+# two keepalive periods. Servers accept pings this often (GRPC_SERVER_OPTIONS).
+GRPC_KEEPALIVE_OPTIONS = (
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
 )
 
 

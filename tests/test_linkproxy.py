@@ -187,6 +187,32 @@ async def test_cut_resets_connections_until_heal(echo: EchoServer) -> None:
             await round_trip(stream)
 
 
+async def test_blackhole_drops_every_byte_and_keeps_connections_open(echo: EchoServer) -> None:
+    """blackhole(): an open connection stays open but nothing crosses it either way, a new one
+    is accepted and hears nothing back; heal() ends the connections whose bytes were dropped and
+    new ones work again. (A dropped packet, not a reset: what keepalive pings must find.)"""
+    async with LinkProxy(link_to(echo.port, 10)) as proxy:
+        async with connect(proxy.port) as old:
+            await round_trip(old)
+            proxy.blackhole()
+            old[1].write(b"lost")
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await old[0].read(1)
+            assert proxy.open_connections == 1 and echo.ended.empty()
+            async with connect(proxy.port) as new:
+                new[1].write(b"lost too")
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.5):
+                        await new[0].read(1)
+            proxy.heal()
+            with pytest.raises(ConnectionResetError):
+                async with asyncio.timeout(5):
+                    await old[0].read(1)
+        async with connect(proxy.port) as stream:
+            await round_trip(stream)
+
+
 async def test_stop_leaves_nothing_behind(echo: EchoServer) -> None:
     """stop() resets every connection, even with bytes still on the line, closes the listener,
     and returns only after all of the proxy's tasks have ended."""

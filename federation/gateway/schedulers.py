@@ -28,16 +28,25 @@ log = structlog.get_logger("gateway")
 
 # A decision takes the scheduler milliseconds, but an Offline burst (~24 k requests at once)
 # keeps the gateway's own loop busy for seconds before it reads the answer: each attempt
-# gets this long, and a timed-out attempt is retried, with jitter, for up to ROUTE_BUDGET_S.
+# gets this long, and a round in which no replica answered in time is retried, with jitter,
+# for up to ROUTE_BUDGET_S.
 ROUTE_TIMEOUT_S = 10.0
 ROUTE_BUDGET_S = 30.0
-# A replica that refuses connections is dead: the next one is asked at once. One that is
-# slow is only busy: asked again.
-FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
-RETRY_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED})
+# A replica that refuses connections is dead, and one whose packets are dropped looks the
+# same once a keepalive ping goes unanswered (UNAVAILABLE within two keepalive periods) or an
+# attempt runs out of time: the next replica is asked at once, and when none answers the
+# gateway routes from the last state (degraded mode).
+FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 WATCH_INTERVAL_S = 0.1  # state pushed this often: a site down is known here within ~0.1 s of the scheduler
+# A watched replica that sends nothing this long is cut off (its packets dropped, not refused):
+# the watch moves to the next, and routes skip it until it is watched again.
+WATCH_SILENCE_S = 1.0
 WATCH_RETRY_S = 0.2  # after losing every replica, try them again this often
 STATE_TIMEOUT_S = 2.0
+
+
+class RoundTimedOut(Exception):
+    """Every replica asked ran out of time, while the watch still hears one."""
 
 
 class Schedulers:
@@ -45,9 +54,11 @@ class Schedulers:
         if not addresses:
             raise ValueError("at least one scheduler address is needed")
         self.addresses = list(addresses)
-        self._channels = [grpc.aio.insecure_channel(a, options=runtime.GRPC_CHANNEL_OPTIONS) for a in self.addresses]
+        options = runtime.GRPC_KEEPALIVE_OPTIONS + runtime.GRPC_CHANNEL_OPTIONS  # a blackholed replica is found
+        self._channels = [grpc.aio.insecure_channel(a, options=options) for a in self.addresses]
         self._stubs = [wire.SchedulerStub(c) for c in self._channels]
         self._current = 0  # the replica asked first
+        self._silent: set[int] = set()  # replicas the watch found cut off: routes skip them
         self._policy = POLICIES[policy]
         self.state: wire.FederationState | None = None  # the last state watched
         self.state_at = 0.0
@@ -77,7 +88,7 @@ class Schedulers:
     async def route(self, req: wire.RouteRequest) -> wire.RouteDecision:
         """A decision from the first replica that answers; from the last state when none does."""
         retrying = AsyncRetrying(
-            retry=retry_if_exception(lambda e: isinstance(e, grpc.aio.AioRpcError) and e.code() in RETRY_CODES),
+            retry=retry_if_exception(lambda e: isinstance(e, RoundTimedOut)),
             wait=wait_random_exponential(multiplier=0.05, max=2.0),
             stop=stop_after_delay(ROUTE_BUDGET_S),
             reraise=True,
@@ -86,22 +97,33 @@ class Schedulers:
             return await retrying(self._route_on_any, req)
         except grpc.aio.AioRpcError as exc:
             raise NoCapacity(f"no site available: {exc.details() or exc.code().name}") from None
+        except RoundTimedOut:
+            raise NoCapacity(f"no scheduler replica decided within {ROUTE_BUDGET_S:.0f} s") from None
 
     async def _route_on_any(self, req: wire.RouteRequest) -> wire.RouteDecision:
+        """The first replica not known to be cut off that answers; the last state when none does
+        (RoundTimedOut when some only ran out of time while the watch still hears one: the
+        gateway's own loop is busy, not the replicas gone)."""
         message = wire.route_request_to_pb(req)
         metadata = (("x-request-id", req.request_id),)
+        timed_out = False
         for i in range(len(self._stubs)):
             index = (self._current + i) % len(self._stubs)
+            if index in self._silent:
+                continue
             try:
                 pb = await self._stubs[index].Route(message, timeout=ROUTE_TIMEOUT_S, metadata=metadata)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in FAILOVER_CODES:
                     raise
+                timed_out |= exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
                 continue
             if index != self._current:
                 log.warning("scheduler.failover", to=self.addresses[index], request_id=req.request_id)
                 self._current = index
             return wire.decision_from_pb(pb)
+        if timed_out and self.watching is not None:
+            raise RoundTimedOut
         return self._route_locally(req)
 
     def _route_locally(self, req: wire.RouteRequest) -> wire.RouteDecision:
@@ -151,18 +173,41 @@ class Schedulers:
             for i in range(len(self._stubs)):
                 index = (self._current + i) % len(self._stubs)
                 try:
-                    call = self._stubs[index].WatchState(wire.state_request_to_pb(WATCH_INTERVAL_S))
-                    async for pb in call:
-                        if self.watching != self.addresses[index]:
-                            log.info("scheduler.watching", scheduler=self.addresses[index])
-                            self.watching = self.addresses[index]
-                        self._seen(wire.federation_state_from_pb(pb))
-                except grpc.aio.AioRpcError:
-                    continue
+                    await self._watch_one(index)
+                except (grpc.aio.AioRpcError, TimeoutError) as exc:
+                    self._lost(index, exc)
+                except Exception:  # a bug (a state we cannot read): this replica is skipped, the watch goes on
+                    log.exception("scheduler.watch_failed", scheduler=self.addresses[index])
+                    self._lost(index, None)
             if self.watching is not None:
                 log.warning("scheduler.degraded", reason="no scheduler replica reachable")
                 self.watching = None
             await asyncio.sleep(WATCH_RETRY_S)
+
+    async def _watch_one(self, index: int) -> None:
+        """Read one replica's pushed state until it fails or falls silent for WATCH_SILENCE_S."""
+        call = self._stubs[index].WatchState(wire.state_request_to_pb(WATCH_INTERVAL_S))
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(WATCH_SILENCE_S) as silence:
+                async for pb in call:
+                    silence.reschedule(loop.time() + WATCH_SILENCE_S)
+                    if self.watching != self.addresses[index] or index in self._silent:
+                        log.info("scheduler.watching", scheduler=self.addresses[index])
+                        self.watching = self.addresses[index]
+                        self._silent.discard(index)
+                        self._current = index
+                    self._seen(wire.federation_state_from_pb(pb))
+        finally:
+            call.cancel()
+
+    def _lost(self, index: int, exc: BaseException | None) -> None:
+        """The watched replica failed or went silent: routes skip it until it is watched again
+        (the watch tries the next at once; degraded mode begins when none answers)."""
+        if index not in self._silent:
+            why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "silent" if exc else "error"
+            log.warning("scheduler.lost", scheduler=self.addresses[index], reason=why)
+        self._silent.add(index)
 
     def _seen(self, state: wire.FederationState) -> None:
         self.state, self.state_at = state, time.monotonic()

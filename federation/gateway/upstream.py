@@ -36,15 +36,6 @@ WATCH_INTERVAL_S = 1.0  # how often the streams' waits are checked
 # from a busy site holds thousands, and handing them out is the loop's biggest single job.
 DELTAS_PER_TURN = 64
 START_BYTES = 256  # a start's fields besides its prompt, roughly (its message's size estimate)
-# A site that crashed or was cut off resets its connections, and its streams fail at once. One
-# whose packets just stop (a partition that drops them) is found by HTTP/2 pings: unanswered
-# for KEEPALIVE_TIMEOUT_MS, every stream on the connection fails and its requests move on.
-KEEPALIVE_OPTIONS = (
-    ("grpc.keepalive_time_ms", 1000),
-    ("grpc.keepalive_timeout_ms", 1000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-)
 
 Deliver = Callable[["SiteStream", wire.TokenDelta], None]
 NO_ERROR = wire.StreamError.NONE
@@ -214,7 +205,7 @@ class SiteLink:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        options = KEEPALIVE_OPTIONS + runtime.GRPC_CHANNEL_OPTIONS
+        options = runtime.GRPC_KEEPALIVE_OPTIONS + runtime.GRPC_CHANNEL_OPTIONS  # a blackholed site is found
         self._channel = grpc.aio.insecure_channel(address, options=options)
         self._stub = wire.SiteAgentStub(self._channel)
         self._call: _Call | None = None
