@@ -103,7 +103,10 @@ class Registry:
             raise self.refuse(reg.name, "a site needs at least one GPU and an agent address")
         self.refused.pop(reg.name, None)
         old = self.sites.get(reg.name)
-        site = Site(reg, estimator, SlowStart.begin(reg.probe_batch, reg.gpus))
+        # Slow start ramps a site into a federation that is serving; in a fresh one every site
+        # is new, and windows would only skew the first traffic away from the capacity shares.
+        serving = any(s.outstanding_requests for name, s in self.sites.items() if name != reg.name)
+        site = Site(reg, estimator, SlowStart.begin(reg.probe_batch, reg.gpus) if serving else SlowStart(0))
         if old is not None:  # an agent that restarted keeps its counters and admin state
             site.routed_requests, site.draining = old.routed_requests, old.draining
         self.sites[reg.name] = site

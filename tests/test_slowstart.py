@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from federation.wire import SiteRegistration, SiteReport
+from scheduler.registry import Registry
 from scheduler.slowstart import SlowStart
+
+MODEL = "openai/gpt-oss-120b"
 
 SLOTS = 8 * 1024
 CAPACITY = 100_000.0  # tok/s at full batch
@@ -41,3 +45,15 @@ def test_a_site_that_does_not_say_its_slots_is_not_limited() -> None:
     start = SlowStart.begin(16, 8)
     start.observe(running=0, gen_tok_s=0.0, capacity_tok_s=CAPACITY, site_slots=0)
     assert start.window == 0
+
+
+def test_only_a_site_joining_a_serving_federation_starts_slow() -> None:
+    """Sites that register while nothing is served (a fresh federation) are not limited; one
+    that joins while another site has work is."""
+    reg = Registry(MODEL, heartbeat_timeout_s=1.0)
+    for name in ("kr", "us"):
+        reg.register(SiteRegistration(name, "r", "mi355x", 8, f"{name}:1", MODEL, probe_batch=16))
+    assert [s.admit_window for s in reg.states()] == [0, 0]
+    reg.apply_report(SiteReport("us", 8, 8, outstanding_requests=300, slots=SLOTS), now=1.0)
+    reg.register(SiteRegistration("eu", "r", "mi355x", 8, "eu:1", MODEL, probe_batch=16))
+    assert {s.name: s.admit_window for s in reg.states()}["eu"] == 16 * 8
