@@ -57,27 +57,53 @@ class FailoverConfig:
 class SiteBreakers:
     """Per-site circuit breakers, on the sites' own faults only (broken streams, timeouts,
     refusals), never on a client's bad request. A site that failed `failures_to_open` requests
-    in a row gets no new ones here for `open_s`; then one is let through, and the next
-    failure opens it again."""
+    in a row gets no new ones here for `open_s` (open); then exactly one request is let through
+    (half-open): its first token closes the circuit, its failure opens it again, and while it is
+    out every other request goes elsewhere. A trial that ends without a verdict (the client
+    left, one worker broke) lets the next request be the trial."""
 
     failures_to_open: int = 3
     open_s: float = 5.0
     _failures: dict[str, int] = field(default_factory=dict)
     _opened_at: dict[str, float] = field(default_factory=dict)
+    _trials: set[str] = field(default_factory=set)  # half-open sites whose one trial is out
 
     def failed(self, site: str) -> None:
+        self._trials.discard(site)
         self._failures[site] = self._failures.get(site, 0) + 1
         if self._failures[site] >= self.failures_to_open:
             if site not in self._opened_at or self._expired(site):
                 log.warning("site.circuit_open", site=site, failures=self._failures[site])
+                metrics.CIRCUIT_OPENED.labels(site).inc()
             self._opened_at[site] = time.monotonic()
+            metrics.CIRCUIT_OPEN.labels(site).set(1)
 
     def succeeded(self, site: str) -> None:
         self._failures.pop(site, None)
-        self._opened_at.pop(site, None)
+        self._trials.discard(site)
+        if self._opened_at.pop(site, None) is not None:
+            log.info("site.circuit_closed", site=site)
+            metrics.CIRCUIT_OPEN.labels(site).set(0)
+
+    def no_verdict(self, site: str) -> None:
+        """The site's trial ended saying nothing of the site: the next request may be its trial."""
+        self._trials.discard(site)
 
     def open_sites(self) -> set[str]:
-        return {site for site in self._opened_at if not self._expired(site)}
+        """Sites routes must exclude: open, or half-open with their trial out."""
+        return {site for site in self._opened_at if site in self._trials or not self._expired(site)}
+
+    def admit(self, site: str) -> bool:
+        """A route chose `site`: False if its circuit is open or its trial is out (routes decided
+        concurrently may all have chosen a site just half-open); True makes a half-open site's
+        request its trial."""
+        if site not in self._opened_at:
+            return True
+        if site in self._trials or not self._expired(site):
+            return False
+        self._trials.add(site)
+        log.info("site.circuit_half_open", site=site)
+        return True
 
     def _expired(self, site: str) -> bool:
         return time.monotonic() - self._opened_at[site] >= self.open_s
@@ -218,6 +244,9 @@ class Generation:
         except NoCapacity:
             self._tried.clear()  # every site failed it once: each may be tried again after the backoff
             raise
+        if not self.breakers.admit(decision.site):
+            self._tried.add(decision.site)
+            raise UpstreamFailed(f"site {decision.site}'s circuit opened while this request was routed")
         stream = self.upstream.start(decision.agent_address, request, partial(self._on_delta, decision.site))
         sent_at = time.monotonic()
         try:
@@ -229,6 +258,7 @@ class Generation:
             raise
         except BaseException:
             stream.close()
+            self.breakers.no_verdict(decision.site)
             raise
         self.accepted_unix_s = self.accepted_unix_s or first.accepted_unix_s
         self.breakers.succeeded(decision.site)
@@ -240,6 +270,7 @@ class Generation:
         """A site failed this request. One of its workers breaking is not the site failing: a
         lost worker takes hundreds of streams with it, and the site's other workers serve on."""
         if isinstance(failure, SiteWorkerFailed):
+            self.breakers.no_verdict(site)
             return
         self._tried.add(site)
         self.breakers.failed(site)

@@ -15,7 +15,7 @@ import os
 from collections import defaultdict
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest, multiprocess
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest, multiprocess
 
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -26,6 +26,20 @@ RETRIES = Counter(
 )
 RESUMED = Counter(
     "federation_gateway_resumed", "Streams cut mid-answer and continued on another site.", registry=REGISTRY
+)
+
+CIRCUIT_OPEN = Gauge(
+    "federation_gateway_circuit_open",
+    "1 while this gateway sends a site no new requests (its circuit open, or half-open with its one trial out).",
+    ["site"],
+    registry=REGISTRY,
+    multiprocess_mode="max",
+)
+CIRCUIT_OPENED = Counter(
+    "federation_gateway_circuit_opened",
+    "Times a site's circuit opened after failures in a row.",
+    ["site"],
+    registry=REGISTRY,
 )
 
 OUTPUT_TOKENS = Counter(
