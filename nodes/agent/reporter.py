@@ -6,7 +6,8 @@ is healthy and working: a collection of its millions of objects (measured: 1.8 s
 burst of 3,600 resumed streams), or its event loop running gRPC's and uvloop's compiled code
 for long stretches without letting a reporting thread take the interpreter lock. So the
 agent's loop hands the reporter process a snapshot of its load every LOOP_TICK_S
-(`ReportFeed`), and the reporter process (`_reporter_main`) sends the latest one to each
+(`ReportFeed`; a thread of the agent writes it to the pipe, so a reporter that stops reading
+can never block the loop: snapshots not yet taken are merged into the next), and the reporter process (`_reporter_main`) sends the latest one to each
 replica on the replica's interval, from threads that share nothing with the busy agent.
 
 It stays honest about the agent: a snapshot older than LOOP_STALL_LIMIT_S means the agent's
@@ -44,6 +45,10 @@ LATE_REPORT_S = 0.75  # a gap this long between reports risks the scheduler's 1 
 # on two cores was ~2 s.
 LOOP_STALL_LIMIT_S = 5.0
 STOP_TIMEOUT_S = 5.0
+# Request ids waiting for a reporter that does not read (each snapshot carries the calls taken
+# since the one before): beyond this the oldest are dropped; the schedulers forget routes never
+# acknowledged after a while anyway (scheduler.registry IN_TRANSIT_LIMIT_S).
+MAX_PENDING_IDS = 100_000
 
 
 class ReportFeed:
@@ -57,6 +62,10 @@ class ReportFeed:
         self.credential = credential
         self._conn: Connection | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
+        self._ready = threading.Condition()
+        self._pending: wire.SiteReport | None = None  # the next snapshot for the sending thread
+        self._closing = False
+        self._dead = threading.Event()  # the pipe broke: the reporter process is gone
 
     def start(self, scheduler_addresses: list[str]) -> None:
         # spawn, not fork: a forked copy of a process running gRPC is not safe to use.
@@ -70,21 +79,49 @@ class ReportFeed:
         )
         self._process.start()
         receiver.close()  # the child's end; ours is the sender
+        self._sender = threading.Thread(target=self._send_forever, name="report feed", daemon=True)
+        self._sender.start()
 
     async def feed_forever(self) -> None:
-        """A snapshot every tick (the pipe holds minutes of them). Returns if the reporter
-        process died: the site can no longer be seen as up, so the agent stops too."""
+        """A snapshot every tick, handed to the sending thread. Returns if the reporter process
+        died: the site can no longer be seen as up, so the agent stops too."""
         assert self._conn is not None, "start() first"
-        while True:
-            try:
-                self._conn.send(self.make_report())
-            except OSError as exc:
-                log.error("reporter.died", site=self.registration.name, error=str(exc))
-                return
+        while not self._dead.is_set():
+            self._offer(self.make_report())
             await asyncio.sleep(LOOP_TICK_S)
+        log.error("reporter.died", site=self.registration.name)
+
+    def _offer(self, report: wire.SiteReport) -> None:
+        """The latest snapshot, with the ids of any the thread has not sent yet."""
+        with self._ready:
+            if self._pending is not None and self._pending.received_ids:
+                ids = (*self._pending.received_ids, *report.received_ids)[-MAX_PENDING_IDS:]
+                report = dataclasses.replace(report, received_ids=ids)
+            self._pending = report
+            self._ready.notify()
+
+    def _send_forever(self) -> None:
+        """The thread: writes each snapshot to the pipe (blocking only itself when the reporter
+        does not read), until the pipe closes."""
+        assert self._conn is not None
+        while True:
+            with self._ready:
+                while self._pending is None and not self._closing:
+                    self._ready.wait()
+                if self._closing:
+                    return
+                report, self._pending = self._pending, None
+            try:
+                self._conn.send(report)
+            except (OSError, ValueError):  # the reporter died (or we closed the pipe)
+                self._dead.set()
+                return
 
     def stop(self) -> None:
         """Closing the pipe tells the reporter to cancel its streams and exit."""
+        with self._ready:
+            self._closing = True
+            self._ready.notify()
         if self._conn is not None:
             self._conn.close()
         if self._process is not None:
