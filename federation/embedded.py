@@ -69,7 +69,7 @@ class Federation:
             self._start_site(site)
         gateway_args = ["--host", c.host, "--port", str(c.gateway_port), "--model", c.model, "--policy", c.policy]
         gateway_args += [arg for address in c.scheduler_addresses for arg in ("--scheduler", address)]
-        gateway_args += ["--ttft-budget-ms", str(c.ttft_budget_ms)]
+        gateway_args += ["--ttft-budget-ms", str(c.ttft_budget_ms), *rtt_args]
         shared, env = [], {}
         if c.gateway_processes > 1:  # one port, and one /metrics for all of them
             self._metrics_dir = tempfile.mkdtemp(prefix="federation-gateway-metrics-")

@@ -7,9 +7,10 @@ import argparse
 import asyncio
 import gc
 import json
+import math
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import structlog
@@ -108,6 +109,27 @@ def stop_event() -> asyncio.Event:
 def announce_ready(**fields: Any) -> None:
     """The one stdout line that says this program serves (see federation.processes)."""
     print(json.dumps({"event": "ready", **fields}), flush=True)
+
+
+def rtt_arg(text: str) -> tuple[str, str, float]:
+    """`--rtt-ms ap-northeast-2:us-west-2=130` -> (a, b, 0.130 s): a WAN round trip between regions."""
+    try:
+        pair, ms = text.split("=")
+        a, b = pair.split(":")
+        seconds = float(ms) / 1000.0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected REGION:REGION=MS, got {text!r}") from None
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise argparse.ArgumentTypeError(f"a round trip is a number of ms >= 0, got {text!r}")
+    return a, b, seconds
+
+
+def rtt_map(links: Iterable[tuple[str, str, float]]) -> dict[tuple[str, str], float]:
+    """Both orders of each link's round trip, in seconds."""
+    rtt = {}
+    for a, b, seconds in links:
+        rtt[(a, b)] = rtt[(b, a)] = seconds
+    return rtt
 
 
 def positive_float(text: str) -> float:

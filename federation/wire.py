@@ -125,6 +125,7 @@ class SiteState:
     queued_requests: int = 0
     slots: int = 0
     admit_window: int = 0  # slow start: the slots routing may fill while the site proves itself; 0: all
+    prefill_s_per_token: float = 0.0  # measured
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,16 +22,6 @@ log = structlog.get_logger("scheduler")
 GRACE_S = 2.0  # in-flight RPCs get this long at shutdown
 
 
-def parse_rtt(text: str) -> tuple[str, str, float]:
-    """`ap-northeast-2:us-west-2=130` -> (a, b, 0.130 s)."""
-    try:
-        pair, ms = text.split("=")
-        a, b = pair.split(":")
-        return a, b, float(ms) / 1000.0
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected REGION:REGION=MS, got {text!r}") from None
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m scheduler", description="The federation's global scheduler.")
     p.add_argument("--host", default="127.0.0.1")
@@ -44,14 +34,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="least_expected_delay",
         help="routing policy; the others are baselines for benchmarks",
     )
-    p.add_argument("--rtt-ms", type=parse_rtt, action="append", default=[], help="REGION:REGION=MS, repeatable")
+    p.add_argument("--rtt-ms", type=runtime.rtt_arg, action="append", default=[], help="REGION:REGION=MS, repeatable")
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> int:
-    rtt = {}
-    for a, b, s in args.rtt_ms:
-        rtt[(a, b)] = rtt[(b, a)] = s
+    rtt = runtime.rtt_map(args.rtt_ms)
     credential = os.environ.get(JOIN_TOKEN_ENV, "")
     service = SchedulerService(args.model, rtt, args.policy, tokenizer=args.tokenizer, join_credential=credential)
     server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)

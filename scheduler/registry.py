@@ -225,4 +225,5 @@ class Registry:
             queued_requests=s.report.queued_requests if s.report else 0,
             slots=s.report.slots if s.report else 0,
             admit_window=s.slow_start.window,
+            prefill_s_per_token=s.estimator.prefill_s_per_token(),
         )

@@ -23,6 +23,9 @@ REPORT_INTERVAL_S = 0.25  # agents report this often: a dead site is seen well w
 HEARTBEAT_TIMEOUT_S = 1.0  # a site silent this long is down (DESIGN: down within 1 s)
 STALL_TOLERANCE_S = 0.25  # an expiry check later than this says the scheduler, not the site, was silent
 EXPIRY_CHECK_S = 0.1
+# Checks skipped in a row for lag, at most: a scheduler lagging all the time (a flood of calls)
+# must still mark dead sites down, if later than it would idle.
+MAX_SKIPPED_CHECKS = 10
 
 
 class _StreamRefused(Exception):
@@ -51,15 +54,18 @@ class SchedulerService(wire.SchedulerServicer):
     async def expire_forever(self) -> None:
         """Mark silent sites down; runs for the life of the server. A check that comes late
         means this process was stalled (an Offline burst of Route calls): the reports that
-        arrived meanwhile have not been read yet, so that check is skipped, not trusted."""
-        checked_at = time.monotonic()
+        arrived meanwhile have not been read yet, so that check is skipped, not trusted (up to
+        MAX_SKIPPED_CHECKS in a row: after those, whatever still has not reported is down)."""
+        checked_at, skipped = time.monotonic(), 0
         while True:
             await asyncio.sleep(EXPIRY_CHECK_S)
             now = time.monotonic()
             lag_s, checked_at = now - checked_at - EXPIRY_CHECK_S, now
-            if lag_s > STALL_TOLERANCE_S:
+            if lag_s > STALL_TOLERANCE_S and skipped < MAX_SKIPPED_CHECKS:
+                skipped += 1
                 log.warning("scheduler.stalled", lag_s=round(lag_s, 3))
                 continue
+            skipped = 0
             for name in self.registry.expire(now):
                 log.warning("site.down", site=name, reason="no report within heartbeat timeout")
 

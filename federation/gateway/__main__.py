@@ -41,6 +41,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-resume", action="store_true", help="fail a stream cut mid-answer instead of resuming it")
     p.add_argument("--policy", choices=sorted(POLICIES), default="least_expected_delay", help="for degraded mode")
+    p.add_argument(
+        "--rtt-ms",
+        type=runtime.rtt_arg,
+        action="append",
+        default=[],
+        help="REGION:REGION=MS, repeatable: the schedulers' round trips, for decisions made here "
+        "(degraded mode, held requests)",
+    )
     return p.parse_args(argv)
 
 
@@ -54,6 +62,7 @@ async def serve(args: argparse.Namespace) -> int:
         max_held=args.max_held,
         failover=failover,
         policy=args.policy,
+        rtt_s=runtime.rtt_map(args.rtt_ms),
     )
     app = build_app(config)
     # Cancel a handler when its client disconnects, so the site's work is aborted too.

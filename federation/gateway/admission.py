@@ -4,24 +4,31 @@ Throughput mode (no budget) sends every request at once to the best site: queues
 sites are how an Offline run keeps every GPU busy. With a budget (the gateway's
 `--ttft-budget-ms`, or a request's `X-TTFT-Budget-Ms`), the gateway first asks the
 scheduler, without committing, how long the best site would take to start it. If that is
-over what is left of the budget, the request is held here, in one bounded queue, and asks
-again every HOLD_POLL_S; it leaves for a site as soon as one can meet what is left, or gets
-429 with Retry-After when the budget is spent or the queue is full. A site is never handed
-work it would make everyone miss their SLO for.
+over what is left of the budget, the request is held here, in one bounded queue, and gets 429 with Retry-After when its budget is
+spent or the queue is full. A site is never handed work it would make everyone miss their SLO for.
+
+Held requests do not ask the scheduler again: each time the watched federation state changes
+(every ~0.1 s), the queue's head is weighed locally, with the scheduler's own policy, against
+that state plus the requests released since (`Schedulers.estimate`); heads that fit now leave
+for a real route, in order (a head that still does not fit holds those behind it until its
+budget is spent: weighing every held request at every state would cost what polling did). 10,000 held requests cost the scheduler nothing while they wait
+(they used to ask it 20 times a second each).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import math
 import time
+from dataclasses import dataclass
 
 from federation import wire
 from federation.errors import BadRequest, TooBusy
 from federation.gateway.schedulers import Schedulers
 
-HOLD_POLL_S = 0.05  # how often a held request asks again: a slot frees every few ms at MLPerf load
+HOLD_CHECK_S = 0.1  # with no new state (a scheduler lost), the queue's head is weighed this often
 BUDGET_HEADER = "X-TTFT-Budget-Ms"
 
 
@@ -38,39 +45,79 @@ def budget_s(header: str | None, default_ms: float) -> float | None:
     return ms / 1000 if ms > 0 else None
 
 
+@dataclass(slots=True)
+class _Held:
+    probe: wire.RouteRequest  # the request, as a dry run
+    deadline: float  # monotonic: when its budget is spent
+    released: asyncio.Future[None]
+
+
 class Admission:
     def __init__(self, schedulers: Schedulers, max_held: int) -> None:
         self.schedulers = schedulers
         self.max_held = max_held
-        self.held = 0  # requests waiting here for a site that can meet their budget
+        self._queue: collections.deque[_Held] = collections.deque()
+        self._pump: asyncio.Task[None] | None = None
+        self._soonest_s = 0.0  # the head's expected delay when last weighed (for Retry-After)
+
+    @property
+    def held(self) -> int:
+        """Requests waiting here for a site that can meet their budget."""
+        return len(self._queue)
 
     async def route(self, req: wire.RouteRequest, budget: float | None) -> wire.RouteDecision:
         if budget is None:
             return await self.schedulers.route(req)
         deadline = time.monotonic() + budget
         probe = dataclasses.replace(req, dry_run=True)
-        holding = False
+        best = await self.schedulers.route(probe)
+        left = deadline - time.monotonic()
+        if best.expected_delay_s <= left:  # even past held ones: theirs may be a far region's, or a tight budget
+            return await self.schedulers.route(req)
+        retry_after = max(1, math.ceil(best.expected_delay_s))
+        if left <= HOLD_CHECK_S / 2:
+            raise TooBusy(
+                f"No site can start this request within its TTFT budget ({budget * 1000:.0f} ms): "
+                f"the soonest is {best.expected_delay_s * 1000:.0f} ms away.",
+                retry_after_s=retry_after,
+            )
+        if len(self._queue) >= self.max_held:
+            raise TooBusy(
+                f"Every site is past its TTFT budget and {self.max_held} requests are already waiting.",
+                retry_after_s=retry_after,
+            )
+        held = _Held(probe, deadline, asyncio.get_running_loop().create_future())
+        self._queue.append(held)
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.ensure_future(self._release_forever())
         try:
-            while True:
-                best = await self.schedulers.route(probe)
-                left = deadline - time.monotonic()
-                if best.expected_delay_s <= left:
-                    return await self.schedulers.route(req)
-                retry_after = max(1, math.ceil(best.expected_delay_s))
-                if left <= HOLD_POLL_S:
-                    raise TooBusy(
-                        f"No site can start this request within its TTFT budget ({budget * 1000:.0f} ms): "
-                        f"the soonest is {best.expected_delay_s * 1000:.0f} ms away.",
-                        retry_after_s=retry_after,
-                    )
-                if not holding:
-                    if self.held >= self.max_held:
-                        raise TooBusy(
-                            f"Every site is past its TTFT budget and {self.max_held} requests are already waiting.",
-                            retry_after_s=retry_after,
-                        )
-                    self.held, holding = self.held + 1, True
-                await asyncio.sleep(HOLD_POLL_S)
+            async with asyncio.timeout(left):
+                await held.released
+        except TimeoutError:
+            raise TooBusy(
+                f"No site could start this request within its TTFT budget ({budget * 1000:.0f} ms): "
+                f"the soonest was {self._soonest_s * 1000:.0f} ms away.",
+                retry_after_s=max(1, math.ceil(self._soonest_s)),
+            ) from None
         finally:
-            if holding:
-                self.held -= 1
+            if not held.released.done():
+                held.released.cancel()  # left the queue: the pump drops it when it reaches it
+        return await self.schedulers.route(req)
+
+    async def _release_forever(self) -> None:
+        """While requests are held: at each new state, release the heads that fit, in order."""
+        while self._queue:
+            await self.schedulers.state_changed(HOLD_CHECK_S)
+            now = time.monotonic()
+            while self._queue:
+                head = self._queue[0]
+                if head.released.done():  # its budget ran out, or its client left
+                    self._queue.popleft()
+                    continue
+                best = self.schedulers.estimate(head.probe)
+                self._soonest_s = best.expected_delay_s if best else self._soonest_s
+                if best is None or best.expected_delay_s > head.deadline - now:
+                    break
+                self._queue.popleft()
+                self.schedulers.count_routed(best.site, head.probe)  # the next head is weighed with it
+                head.released.set_result(None)

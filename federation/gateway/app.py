@@ -45,6 +45,7 @@ class GatewayConfig:
     max_held: int = 10_000  # requests held for a site that can meet their budget, at most
     failover: FailoverConfig = field(default_factory=FailoverConfig)
     policy: str = "least_expected_delay"  # what degraded mode decides with
+    rtt_s: dict[tuple[str, str], float] = field(default_factory=dict)  # and the round trips it weighs
 
 
 CONFIG_KEY = web.AppKey("config", GatewayConfig)
@@ -223,7 +224,7 @@ def build_app(config: GatewayConfig) -> web.Application:
 
     async def upstream_ctx(app: web.Application):
         app[UPSTREAM_KEY] = Upstream()
-        app[SCHEDULERS_KEY] = Schedulers(list(config.scheduler_addresses), config.policy)
+        app[SCHEDULERS_KEY] = Schedulers(list(config.scheduler_addresses), config.policy, config.rtt_s)
         app[SCHEDULERS_KEY].start()
         app[ADMISSION_KEY] = admission.Admission(app[SCHEDULERS_KEY], config.max_held)
         app[BREAKERS_KEY] = SiteBreakers()

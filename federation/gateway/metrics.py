@@ -28,6 +28,12 @@ RESUMED = Counter(
     "federation_gateway_resumed", "Streams cut mid-answer and continued on another site.", registry=REGISTRY
 )
 
+ROUTE_CALLS = Counter(
+    "federation_gateway_route_calls",
+    "Route RPCs sent to scheduler replicas: kind=route commits a request, kind=dry_run only asks (latency mode).",
+    ["kind"],
+    registry=REGISTRY,
+)
 CIRCUIT_OPEN = Gauge(
     "federation_gateway_circuit_open",
     "1 while this gateway sends a site no new requests (its circuit open, or half-open with its one trial out).",

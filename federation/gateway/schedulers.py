@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 
 import grpc
 import structlog
@@ -21,6 +23,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_r
 
 from federation import runtime, wire
 from federation.errors import NoCapacity
+from federation.gateway import metrics
 from federation.work import expected_output_tokens
 from scheduler.policy import POLICIES, RouteContext, SiteLoad
 
@@ -50,7 +53,12 @@ class RoundTimedOut(Exception):
 
 
 class Schedulers:
-    def __init__(self, addresses: list[str], policy: str = "least_expected_delay") -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        policy: str = "least_expected_delay",
+        rtt_s: Mapping[tuple[str, str], float] | None = None,
+    ) -> None:
         if not addresses:
             raise ValueError("at least one scheduler address is needed")
         self.addresses = list(addresses)
@@ -60,12 +68,14 @@ class Schedulers:
         self._current = 0  # the replica asked first
         self._silent: set[int] = set()  # replicas the watch found cut off: routes skip them
         self._policy = POLICIES[policy]
+        self._rtt_s = dict(rtt_s or {})  # the schedulers' round trips: decisions made here weigh them too
         self.state: wire.FederationState | None = None  # the last state watched
         self.state_at = 0.0
         self.watching: str | None = None  # the replica the watch reads now; None: none reachable
         self._local_routes = 0  # routes decided here while degraded
         self._local_load: dict[str, tuple[int, int]] = defaultdict(lambda: (0, 0))  # since the last state
         self._watch: asyncio.Task | None = None
+        self._fresh = asyncio.Event()  # set by each state watched
 
     @property
     def degraded(self) -> bool:
@@ -106,11 +116,13 @@ class Schedulers:
         gateway's own loop is busy, not the replicas gone)."""
         message = wire.route_request_to_pb(req)
         metadata = (("x-request-id", req.request_id),)
+        calls = metrics.ROUTE_CALLS.labels("dry_run" if req.dry_run else "route")
         timed_out = False
         for i in range(len(self._stubs)):
             index = (self._current + i) % len(self._stubs)
             if index in self._silent:
                 continue
+            calls.inc()
             try:
                 pb = await self._stubs[index].Route(message, timeout=ROUTE_TIMEOUT_S, metadata=metadata)
             except grpc.aio.AioRpcError as exc:
@@ -130,6 +142,19 @@ class Schedulers:
         """Degraded mode: the same policy over the last state, plus what was routed since."""
         if self.state is None:
             raise NoCapacity("no scheduler reachable, and none was ever seen: no site is known")
+        decision = self.estimate(req)
+        if decision is None:
+            raise NoCapacity("no scheduler reachable, and no site was ready when one last answered")
+        if not req.dry_run:
+            self._local_routes += 1
+            self.count_routed(decision.site, req)
+        return dataclasses.replace(decision, reason="degraded")
+
+    def estimate(self, req: wire.RouteRequest) -> wire.RouteDecision | None:
+        """The policy's decision here, without asking a replica: over the last state watched plus
+        the routes counted since (None: no state yet, or no site ready in it)."""
+        if self.state is None:
+            return None
         loads = []
         for s in self.state.sites:
             if s.status is not wire.SiteStatus.READY:
@@ -145,16 +170,23 @@ class Schedulers:
                     s.outstanding_requests + requests,
                     s.prior_capacity_tok_s,
                     s.slots,
+                    s.prefill_s_per_token,
+                    s.admit_window,
                 )
             )
-        decision = self._policy(loads, req, RouteContext({}, self._local_routes))
-        if decision is None:
-            raise NoCapacity("no scheduler reachable, and no site was ready when one last answered")
-        if not req.dry_run:
-            self._local_routes += 1
-            requests, tokens = self._local_load[decision.site]
-            self._local_load[decision.site] = (requests + 1, tokens + expected_output_tokens(req.max_tokens))
-        return wire.RouteDecision(decision.site, decision.agent_address, decision.expected_delay_s, "degraded")
+        return self._policy(loads, req, RouteContext(self._rtt_s, self._local_routes))
+
+    def count_routed(self, site: str, req: wire.RouteRequest) -> None:
+        """A route to `site` the next state cannot show yet: estimates count it until then."""
+        requests, tokens = self._local_load[site]
+        self._local_load[site] = (requests + 1, tokens + expected_output_tokens(req.max_tokens))
+
+    async def state_changed(self, timeout_s: float) -> None:
+        """Returns at the next state watched, or after `timeout_s`."""
+        self._fresh.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._fresh.wait()
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -212,3 +244,4 @@ class Schedulers:
     def _seen(self, state: wire.FederationState) -> None:
         self.state, self.state_at = state, time.monotonic()
         self._local_load.clear()
+        self._fresh.set()
