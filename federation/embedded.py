@@ -60,11 +60,9 @@ class Federation:
 
     def up(self) -> None:
         c = self.config
-        rtt_args = [f"--rtt-ms={a}:{b}={ms}" for (a, b), ms in c.rtt_ms.items() if a < b]
+        rtt_args = self._rtt_args()
         for i in range(c.scheduler_replicas):
-            port = c.scheduler_port + i
-            scheduler_args = ["--host", c.host, "--port", str(port), "--model", c.model, "--policy", c.policy]
-            self._start(f"scheduler {i}", "scheduler", [*scheduler_args, *rtt_args])
+            self._start(f"scheduler {i}", "scheduler", self._scheduler_args(i))
         for site in c.sites:
             self._start_site(site)
         gateway_args = ["--host", c.host, "--port", str(c.gateway_port), "--model", c.model, "--policy", c.policy]
@@ -78,6 +76,24 @@ class Federation:
             name = f"gateway {i}" if shared else "gateway"
             self._start(name, "federation.gateway", [*gateway_args, *shared], env)
         self._wait_sites_ready({s.name for s in c.sites})
+
+    def restart_scheduler(self, replica: int) -> None:
+        """Kill one scheduler replica and start it again, empty: its state comes back from the
+        sites' registrations and reports."""
+        name = f"scheduler {replica}"
+        old = self.child(name)
+        old.proc.kill()
+        old.proc.wait()
+        self.children.remove(old)
+        self._start(name, "scheduler", self._scheduler_args(replica))
+
+    def _scheduler_args(self, replica: int) -> list[str]:
+        c = self.config
+        port = c.scheduler_port + replica
+        return ["--host", c.host, "--port", str(port), "--model", c.model, "--policy", c.policy, *self._rtt_args()]
+
+    def _rtt_args(self) -> list[str]:
+        return [f"--rtt-ms={a}:{b}={ms}" for (a, b), ms in self.config.rtt_ms.items() if a < b]
 
     def _start_site(self, site: SiteConfig) -> None:
         """A site's agent (with its emulated workers) and, for a remote region, its WAN links."""

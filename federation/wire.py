@@ -53,6 +53,7 @@ class SiteRegistration:
     probe_context_tokens: float = 0.0
     probe_tok_s: float = 0.0
     tokenizer: str = ""  # what the workers say they tokenize with ("": they do not say)
+    draining: bool = False  # told to drain and not undrained since (a restarted replica learns it)
 
 
 @dataclass(frozen=True, slots=True)

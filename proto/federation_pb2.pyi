@@ -43,7 +43,7 @@ STREAM_ERROR_WORKER_FAILED: StreamError
 STREAM_ERROR_SITE_FAILED: StreamError
 
 class SiteRegistration(_message.Message):
-    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "model", "probe_batch", "probe_context_tokens", "probe_tok_s", "tokenizer")
+    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "model", "probe_batch", "probe_context_tokens", "probe_tok_s", "tokenizer", "draining")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class SiteRegistration(_message.Message):
     PROBE_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBE_TOK_S_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     name: str
     region: str
     gpu: str
@@ -64,7 +65,8 @@ class SiteRegistration(_message.Message):
     probe_context_tokens: float
     probe_tok_s: float
     tokenizer: str
-    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., model: _Optional[str] = ..., probe_batch: _Optional[float] = ..., probe_context_tokens: _Optional[float] = ..., probe_tok_s: _Optional[float] = ..., tokenizer: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., model: _Optional[str] = ..., probe_batch: _Optional[float] = ..., probe_context_tokens: _Optional[float] = ..., probe_tok_s: _Optional[float] = ..., tokenizer: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("site", "prior_capacity_tok_s", "report_interval_s")

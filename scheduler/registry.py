@@ -107,6 +107,7 @@ class Registry:
         # is new, and windows would only skew the first traffic away from the capacity shares.
         serving = any(s.outstanding_requests for name, s in self.sites.items() if name != reg.name)
         site = Site(reg, estimator, SlowStart.begin(reg.probe_batch, reg.gpus) if serving else SlowStart(0))
+        site.draining = reg.draining  # a replica that restarted hears it from the site
         if old is not None:  # an agent that restarted keeps its counters and admin state
             site.routed_requests, site.draining = old.routed_requests, old.draining
         self.sites[reg.name] = site

@@ -7,13 +7,16 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from federation import admin, wire
 from federation.admin import fetch_state
 from federation.config import load
+from federation.drills.faults import poll_until
 from federation.embedded import Federation
 from federation.processes import PROJECT_ROOT
 from federation.wire import SiteStatus
@@ -89,3 +92,27 @@ async def test_drain_undrain_remove(tmp_path: Path) -> None:
             assert missing.returncode == 2 and "no site named 'nowhere'" in missing.stderr
     finally:
         fed.down()
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_replica_keeps_a_drained_site_drained_and_a_removed_one_out(make_federation) -> None:
+    """Drain and removal go to every replica; one that restarts afterwards is rebuilt from the
+    sites, and must hear from them that one is draining and not take a removed one back."""
+    fed, _ = make_federation(scheduler="replicas: 2")
+    addresses = list(fed.config.scheduler_addresses)
+    admin.drain(addresses, "kr-mi300x")
+    fed.restart_scheduler(1)
+    at_restarted = [addresses[1]]
+
+    def status(site: str) -> wire.SiteStatus | None:
+        state, _ = admin.replicas_state(at_restarted)
+        return next((s.status for s in state.sites if s.name == site), None) if state else None
+
+    assert poll_until(lambda: status("us-mi355x") is wire.SiteStatus.READY, 20.0) is not None
+    assert poll_until(lambda: status("kr-mi300x") not in (None, wire.SiteStatus.JOINING), 10.0) is not None
+    assert status("kr-mi300x") is wire.SiteStatus.DRAINING
+    admin.remove(addresses, "kr-mi300x")
+    fed.restart_scheduler(1)
+    assert poll_until(lambda: status("us-mi355x") is wire.SiteStatus.READY, 20.0) is not None
+    time.sleep(2.0)  # a removed site that re-registered would be back by now
+    assert status("kr-mi300x") is None

@@ -196,7 +196,9 @@ def _reporter_main(
 class Reporter:
     """One thread per scheduler replica: register, open the report stream, send the latest
     snapshot every interval, obey commands that come back; on any failure, back off and
-    start over."""
+    start over. What the operator said through one replica holds at all of them: a drain is in
+    every registration until an undrain (a replica that restarted learns it), and a removal
+    ends the reports to every replica (one that was down then does not take the site back)."""
 
     def __init__(self, registration: wire.SiteRegistration, snapshots: Snapshots, credential: str = "") -> None:
         self.registration = registration
@@ -213,11 +215,16 @@ class Reporter:
             self._threads.append(thread)
 
     def stop(self) -> None:
+        self.stop_all()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=RECONNECT_MAX_S)
+
+    def stop_all(self) -> None:
+        """Every replica's thread ends: its stream is cancelled, and it does not register again."""
         self._stop.set()
         for call in list(self._calls):
             call.cancel()
-        for thread in self._threads:
-            thread.join(timeout=RECONNECT_MAX_S)
 
     def _run(self, scheduler_address: str) -> None:
         """Stay registered with one scheduler and report to it, until it removes the site or we stop."""
@@ -245,9 +252,13 @@ class Reporter:
                         command = wire.command_from_pb(msg)
                         log.info("reporter.command", scheduler=scheduler_address, command=command.command.name.lower())
                         if command.command is wire.Command.REMOVE:
-                            return  # removed by an operator: stay away until restarted
-                        # Drain needs nothing here: the scheduler stops routing to the site
-                        # and the agent finishes what it has.
+                            self.stop_all()  # removed by an operator: stay away from every replica until restarted
+                            return
+                        if command.command in (wire.Command.DRAIN, wire.Command.UNDRAIN):
+                            draining = command.command is wire.Command.DRAIN
+                            self.registration = dataclasses.replace(self.registration, draining=draining)
+                        # Draining needs nothing else here: the schedulers stop routing to the
+                        # site and the agent finishes what it has.
                     if self._stop.is_set():
                         return
                 except grpc.RpcError as exc:
@@ -258,6 +269,8 @@ class Reporter:
                     level(
                         "reporter.disconnected", scheduler=scheduler_address, code=exc.code().name, detail=exc.details()
                     )
+                except Exception:  # a bug (a message we cannot read): reported, and the stream starts over
+                    log.exception("reporter.failed", scheduler=scheduler_address)
                 finally:
                     self._calls.discard(call)
                     self.snapshots.forget(scheduler_address)
