@@ -29,9 +29,12 @@ READY_WAIT_S = 60.0  # sites must report ready within this long after their agen
 class Federation:
     """The processes of one federation on this machine, started in dependency order."""
 
-    def __init__(self, config: Config, log: IO[str] | None = None) -> None:
+    def __init__(self, config: Config, log: IO[str] | None = None, *, scheduler_links: bool = False) -> None:
         self.config = config
         self.log = log  # where the processes' log lines go (default: our stderr)
+        # Every path to a scheduler replica through a link of ours, its region's round trip or
+        # 0 ms (a drill can then drop a replica's packets for everyone: scheduler-blackhole).
+        self.scheduler_links = scheduler_links
         self.children: list[Child] = []
         # The credential its sites join with: the operator's (FEDERATION_JOIN_TOKEN), or one
         # made for this run, so no process that was not given it can join.
@@ -66,7 +69,9 @@ class Federation:
         for site in c.sites:
             self._start_site(site)
         gateway_args = ["--host", c.host, "--port", str(c.gateway_port), "--model", c.model, "--policy", c.policy]
-        gateway_args += [arg for address in c.scheduler_addresses for arg in ("--scheduler", address)]
+        gateway_args += [
+            arg for address in self._to_schedulers("gateway", c.gateway_region) for arg in ("--scheduler", address)
+        ]
         gateway_args += ["--ttft-budget-ms", str(c.ttft_budget_ms), *rtt_args]
         shared, env = [], {}
         if c.gateway_processes > 1:  # one port, and one /metrics for all of them
@@ -92,19 +97,28 @@ class Federation:
         port = c.scheduler_port + replica
         return ["--host", c.host, "--port", str(port), "--model", c.model, "--policy", c.policy, *self._rtt_args()]
 
+    def _to_schedulers(self, client: str, region: str) -> list[str]:
+        """The addresses `client` (in `region`) dials for each replica: across a WAN link
+        "link CLIENT->scheduler I" when its region is another, or when every path has one."""
+        c = self.config
+        rtt = c.rtt_between(region, c.scheduler_region)
+        if not (rtt or self.scheduler_links):
+            return list(c.scheduler_addresses)
+        return [
+            self._link(f"link {client}->scheduler {i}", c.scheduler_port + i, rtt) for i in range(c.scheduler_replicas)
+        ]
+
+    def links_to_scheduler(self, replica: int) -> list[Child]:
+        """Every link carrying calls to one replica (see `_to_schedulers`)."""
+        return [c for c in self.children if c.name.startswith("link ") and c.name.endswith(f"->scheduler {replica}")]
+
     def _rtt_args(self) -> list[str]:
         return [f"--rtt-ms={a}:{b}={ms}" for (a, b), ms in self.config.rtt_ms.items() if a < b]
 
     def _start_site(self, site: SiteConfig) -> None:
         """A site's agent (with its emulated workers) and, for a remote region, its WAN links."""
         c = self.config
-        to_schedulers, advertise = list(c.scheduler_addresses), f"{c.host}:{site.agent_port}"
-        rtt = c.rtt_between(site.region, c.scheduler_region)
-        if rtt:
-            to_schedulers = [
-                self._link(f"link {site.name}->scheduler {i}", c.scheduler_port + i, rtt)
-                for i in range(c.scheduler_replicas)
-            ]
+        to_schedulers, advertise = self._to_schedulers(site.name, site.region), f"{c.host}:{site.agent_port}"
         rtt = c.rtt_between(site.region, c.gateway_region)
         if rtt:
             advertise = self._link(f"link gateway->{site.name}", site.agent_port, rtt)

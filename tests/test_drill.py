@@ -108,3 +108,14 @@ def test_a_drill_that_cannot_be_run_says_why(args: list[str], said: str) -> None
     """Arguments that make no drill are refused before anything starts, with the reason."""
     proc = fedctl("drill", *args, timeout_s=30)
     assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("scenario", ["site-blackhole", "all-workers-lost", "scheduler-blackhole"])
+def test_silent_failures_lose_nothing(tmp_path: Path, scenario: str) -> None:
+    """Packets dropped instead of refused (a site's WAN links; one scheduler replica, then all)
+    and a site whose every worker dies while it holds a queue: each found, none lost or failed."""
+    report = _drill(tmp_path, scenario)
+    assert KEYS <= set(report) and report["scenario"] == scenario
+    assert report["requests_sent"] > 60 and report["requests_failed"] == 0 and report["lost"] == 0, report["errors"]
+    assert report["detection_s"] is not None

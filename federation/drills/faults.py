@@ -26,6 +26,7 @@ from federation import admin, wire
 from federation.config import SiteConfig
 from federation.drills.target import DrillError, Target
 from federation.embedded import Federation
+from federation.linkproxy import BLACKHOLE_SIGNAL
 from federation.processes import free_port_block
 
 BROWNOUT_FACTOR = 4.0
@@ -56,6 +57,9 @@ class Fault:
     target: Target
     before: wire.SiteState | None = None  # the site as the schedulers saw it just before the fault
     heals: ClassVar[bool] = False
+    needs_scheduler_links: ClassVar[bool] = (
+        False  # the embedded federation must route every call to a replica through a link
+    )
 
     def inject(self) -> None:
         if self.target.inject_command:
@@ -138,6 +142,33 @@ class SitePartition(Fault):
         return 0.0
 
 
+class SiteBlackhole(SitePartition):
+    """The site's WAN links drop every byte both ways, connections left open (no reset): found
+    by the schedulers' heartbeat (its reports stop) and the gateways' keepalive pings."""
+
+    def _inject(self, federation: Federation) -> None:
+        links = federation.links_of(self.site)
+        if not links:
+            raise DrillError(f"{self.site} has no WAN link to blackhole (it is in the gateway's region)")
+        for link in links:
+            link.proc.send_signal(BLACKHOLE_SIGNAL)
+
+
+class AllWorkersLost(Fault):
+    """Every worker of the site dies while it holds a queue; its agent lives on, with no worker."""
+
+    def _inject(self, federation: Federation) -> None:
+        _post_all([url + "/_emulator/die" for url in self._workers(federation)], {})
+
+    def detected(self) -> bool:
+        state = self._state()
+        return state is None or state.status is wire.SiteStatus.DOWN or state.healthy_workers == 0
+
+    @property
+    def capacity_factor(self) -> float:
+        return 0.0
+
+
 class SiteBrownout(Fault):
     slowdown: float = BROWNOUT_FACTOR
 
@@ -187,6 +218,25 @@ class SchedulerCrash(Fault):
         return health.get("status") == "degraded" or (bool(watched) and watched != first)
 
 
+class SchedulerBlackhole(Fault):
+    """Replica 0's packets dropped on every path to it (the drill puts a link of ours on each);
+    then every replica's `--heal-after-s` later. Detected as scheduler-crash is."""
+
+    heals = True
+    needs_scheduler_links: ClassVar[bool] = True
+
+    def _inject(self, federation: Federation) -> None:
+        for link in federation.links_to_scheduler(0):
+            link.proc.send_signal(BLACKHOLE_SIGNAL)
+
+    def _heal(self, federation: Federation) -> None:
+        for i in range(1, federation.config.scheduler_replicas):
+            for link in federation.links_to_scheduler(i):
+                link.proc.send_signal(BLACKHOLE_SIGNAL)
+
+    detected = SchedulerCrash.detected
+
+
 class Drain(Fault):
     """The operator's own `fedctl site drain`: the same on any federation, no command needed."""
 
@@ -226,6 +276,9 @@ SCENARIOS: dict[str, Callable[..., Fault]] = {
     "site-brownout": SiteBrownout,
     "worker-loss": WorkerLoss,
     "scheduler-crash": SchedulerCrash,
+    "scheduler-blackhole": SchedulerBlackhole,
+    "site-blackhole": SiteBlackhole,
+    "all-workers-lost": AllWorkersLost,
     "drain": Drain,
     "add-site": SiteJoin,
 }

@@ -188,12 +188,16 @@ def _drill_embedded(args: argparse.Namespace, site: str, samples) -> dict[str, A
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.unlink(missing_ok=True)
     with log_path.open("a") as log:
-        federation = Federation(config, log)
+        federation = Federation(config, log, scheduler_links=SCENARIOS[args.scenario].needs_scheduler_links)
         try:
             federation.up()
             return _drill(Target.embedded(federation), args, site, samples)
         finally:
             federation.down()
+
+
+# What a drill's --heal-after-s does, on its timeline, when it is not a heal.
+SECOND_MARKS = {"scheduler-crash": "all schedulers killed", "scheduler-blackhole": "all schedulers blackholed"}
 
 
 def _drill_endpoint(args: argparse.Namespace, site: str, samples) -> dict[str, Any]:
@@ -263,7 +267,7 @@ def _drill(target: Target, args: argparse.Namespace, site: str, samples) -> dict
     line = timeline.build(results, samples, fault_at, args.speed, end)
     line.marks[args.scenario] = 0.0
     if heal_at is not None:
-        line.marks["heal" if args.scenario == "site-partition" else "all schedulers killed"] = heal_at - fault_at
+        line.marks[SECOND_MARKS.get(args.scenario, "heal")] = heal_at - fault_at
     healed_s = heal_at - fault_at if heal_at is not None else None
     report = _report(args, site, results, line, fault, detection_s, healed_s, counters_before, counters_after)
     # Requests that started at the site after the fault was seen (a drained site must get none).
