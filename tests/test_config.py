@@ -42,17 +42,21 @@ def test_bad_configs_are_explained(text: str, fragment: str) -> None:
         parse(text)
 
 
-def test_fedctl_reports_a_bad_config_without_a_traceback(tmp_path: Path) -> None:
-    """`fedctl up --config BAD` exits 2 with one line saying what is wrong."""
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("gateway: 8080\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "federation.cli", "up", "--config", str(bad)],
+def _fedctl_up(config: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "federation.cli", "up", "--config", str(config)],
         cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
         timeout=30,
     )
+
+
+def test_fedctl_reports_a_bad_config_without_a_traceback(tmp_path: Path) -> None:
+    """`fedctl up --config BAD` exits 2 with one line saying what is wrong."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("gateway: 8080\n")
+    proc = _fedctl_up(bad)
     assert proc.returncode == 2
     assert "must be a mapping" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -93,13 +97,7 @@ def test_fedctl_up_with_a_port_clash_exits_2_and_leaves_nothing_running(tmp_path
         "gateway: {port: 18080, region: us-west-2}\nscheduler: {port: 18051}\n"
         "sites: [{name: a, region: us-west-2, gpu: mi300x, gpus: 1, agent_port: 18051}]\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "federation.cli", "up", "--config", str(bad)],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    proc = _fedctl_up(bad)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "port 18051" in proc.stderr and "Traceback" not in proc.stderr
     assert subprocess.run(["pgrep", "-f", str(bad)], capture_output=True).returncode == 1  # none left
