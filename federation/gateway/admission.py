@@ -4,15 +4,17 @@ Throughput mode (no budget) sends every request at once to the best site: queues
 sites are how an Offline run keeps every GPU busy. With a budget (the gateway's
 `--ttft-budget-ms`, or a request's `X-TTFT-Budget-Ms`), the gateway first asks the
 scheduler, without committing, how long the best site would take to start it. If that is
-over what is left of the budget, the request is held here, in one bounded queue, and gets 429 with Retry-After when its budget is
-spent or the queue is full. A site is never handed work it would make everyone miss their SLO for.
+over what is left of the budget, the request is held here, in one bounded queue, and gets
+429 with Retry-After when its budget is spent or the queue is full. A site is never handed
+work it would make everyone miss their SLO for.
 
 Held requests do not ask the scheduler again: each time the watched federation state changes
 (every ~0.1 s), the queue's head is weighed locally, with the scheduler's own policy, against
 that state plus the requests released since (`Schedulers.estimate`); heads that fit now leave
 for a real route, in order (a head that still does not fit holds those behind it until its
-budget is spent: weighing every held request at every state would cost what polling did). 10,000 held requests cost the scheduler nothing while they wait
-(they used to ask it 20 times a second each).
+budget is spent: weighing every held request at every state would cost what polling did).
+10,000 held requests cost the scheduler nothing while they wait (they used to ask it 20 times
+a second each).
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ WATCH_INTERVAL_S = 0.1  # state pushed this often: a site down is known here wit
 # A watched replica that sends nothing this long is cut off (its packets dropped, not refused):
 # the watch moves to the next, and routes skip it until it is watched again.
 WATCH_SILENCE_S = 1.0
+LOOP_STALL_S = 0.25  # a wait ending this late means this loop was stalled, not the replica silent
 WATCH_RETRY_S = 0.2  # after losing every replica, try them again this often
 STATE_TIMEOUT_S = 2.0
 
@@ -217,21 +218,35 @@ class Schedulers:
             await asyncio.sleep(WATCH_RETRY_S)
 
     async def _watch_one(self, index: int) -> None:
-        """Read one replica's pushed state until it fails or falls silent for WATCH_SILENCE_S."""
+        """Read one replica's pushed state until it fails or falls silent for WATCH_SILENCE_S.
+        Silence while this loop itself was stalled (an Offline burst, a long collection) is not
+        the replica's: a wait that ends LOOP_STALL_S late starts over instead."""
         call = self._stubs[index].WatchState(wire.state_request_to_pb(WATCH_INTERVAL_S))
         loop = asyncio.get_running_loop()
+        read: asyncio.Future | None = None
         try:
-            async with asyncio.timeout(WATCH_SILENCE_S) as silence:
-                async for pb in call:
-                    silence.reschedule(loop.time() + WATCH_SILENCE_S)
-                    if self.watching != self.addresses[index] or index in self._silent:
-                        log.info("scheduler.watching", scheduler=self.addresses[index])
-                        self.watching = self.addresses[index]
-                        self._silent.discard(index)
-                        self._current = index
-                    self._seen(wire.federation_state_from_pb(pb))
+            while True:
+                read = asyncio.ensure_future(call.read())
+                due = loop.time() + WATCH_SILENCE_S
+                while not read.done():
+                    await asyncio.wait({read}, timeout=max(0.0, due - loop.time()))
+                    if not read.done() and loop.time() >= due:
+                        if loop.time() - due < LOOP_STALL_S:
+                            raise TimeoutError
+                        due = loop.time() + WATCH_SILENCE_S
+                pb = read.result()
+                if pb is grpc.aio.EOF:
+                    return
+                if self.watching != self.addresses[index] or index in self._silent:
+                    log.info("scheduler.watching", scheduler=self.addresses[index])
+                    self.watching = self.addresses[index]
+                    self._silent.discard(index)
+                    self._current = index
+                self._seen(wire.federation_state_from_pb(pb))
         finally:
             call.cancel()
+            if read is not None and not read.done():
+                read.cancel()
 
     def _lost(self, index: int, exc: BaseException | None) -> None:
         """The watched replica failed or went silent: routes skip it until it is watched again
