@@ -7,8 +7,9 @@ burst of 3,600 resumed streams), or its event loop running gRPC's and uvloop's c
 for long stretches without letting a reporting thread take the interpreter lock. So the
 agent's loop hands the reporter process a snapshot of its load every LOOP_TICK_S
 (`ReportFeed`; a thread of the agent writes it to the pipe, so a reporter that stops reading
-can never block the loop: snapshots not yet taken are merged into the next), and the reporter process (`_reporter_main`) sends the latest one to each
-replica on the replica's interval, from threads that share nothing with the busy agent.
+can never block the loop: snapshots not yet taken are merged into the next), and the reporter
+process (`_reporter_main`) sends the latest one to each replica on the replica's interval,
+from threads that share nothing with the busy agent.
 
 It stays honest about the agent: a snapshot older than LOOP_STALL_LIMIT_S means the agent's
 loop is hung, not busy, and the reports stop, so the schedulers see the site down. When the
