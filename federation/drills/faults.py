@@ -121,14 +121,17 @@ class SiteCrash(Fault):
 
 
 class SitePartition(Fault):
+    """The site's WAN links reset every connection, and each new one, until healed."""
+
     heals = True
+    link_signal: ClassVar[signal.Signals] = signal.SIGUSR1  # what the link proxies are told
 
     def _inject(self, federation: Federation) -> None:
         links = federation.links_of(self.site)
         if not links:
-            raise DrillError(f"{self.site} has no WAN link to cut (it is in the gateway's region)")
+            raise DrillError(f"{self.site} has no WAN link to break (it is in the gateway's region)")
         for link in links:
-            link.proc.send_signal(signal.SIGUSR1)
+            link.proc.send_signal(self.link_signal)
 
     def _heal(self, federation: Federation) -> None:
         for link in federation.links_of(self.site):
@@ -146,12 +149,7 @@ class SiteBlackhole(SitePartition):
     """The site's WAN links drop every byte both ways, connections left open (no reset): found
     by the schedulers' heartbeat (its reports stop) and the gateways' keepalive pings."""
 
-    def _inject(self, federation: Federation) -> None:
-        links = federation.links_of(self.site)
-        if not links:
-            raise DrillError(f"{self.site} has no WAN link to blackhole (it is in the gateway's region)")
-        for link in links:
-            link.proc.send_signal(BLACKHOLE_SIGNAL)
+    link_signal = BLACKHOLE_SIGNAL
 
 
 class AllWorkersLost(Fault):
