@@ -3,6 +3,7 @@
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY core core
 COPY federation federation
 COPY scheduler scheduler
 COPY nodes nodes

@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from federation import wire
-from federation.credential import bearer
+from core import wire
+from core.credential import bearer
 
 ADMIN_TIMEOUT_S = 3.0
 DRAIN_POLL_S = 0.5

@@ -25,14 +25,15 @@ from pathlib import Path
 
 import grpc
 
-from federation import admin, control, runtime, wire
+from core import runtime, wire
+from core.config import JOIN_TOKEN_ENV, ConfigError, SiteConfig, load
+from core.gpus import PROFILES
+from core.policy import POLICIES
+from core.processes import StartFailed, free_port_block
+from federation import admin, control
 from federation.bench import run as bench
-from federation.config import JOIN_TOKEN_ENV, ConfigError, SiteConfig, load
 from federation.drills import run as drills
 from federation.embedded import Federation
-from federation.processes import StartFailed, free_port_block
-from nodes.emulator.profiles import PROFILES
-from scheduler.policy import POLICIES
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

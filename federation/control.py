@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from federation.config import Config
+from core.config import Config
 
 REQUEST_TIMEOUT_S = 120.0  # a site's agent starts, probes its workers and joins within this
 MAX_MESSAGE_BYTES = 64 * 1024

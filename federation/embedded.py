@@ -17,11 +17,11 @@ from typing import IO
 
 import grpc
 
-from federation import wire
+from core import wire
+from core.config import JOIN_TOKEN_ENV, Config, SiteConfig
+from core.processes import Child, StartFailed, start_python
 from federation.admin import fetch_state
-from federation.config import JOIN_TOKEN_ENV, Config, SiteConfig
 from federation.gateway import metrics
-from federation.processes import Child, StartFailed, start_python
 
 READY_WAIT_S = 60.0  # sites must report ready within this long after their agents start
 

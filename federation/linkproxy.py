@@ -40,7 +40,7 @@ from types import TracebackType
 
 import structlog
 
-from federation import runtime
+from core import runtime
 
 log = structlog.get_logger("linkproxy")
 

@@ -13,9 +13,9 @@ import sys
 import grpc
 import structlog
 
-from federation import runtime, wire
-from federation.config import JOIN_TOKEN_ENV
-from scheduler.policy import POLICIES
+from core import runtime, wire
+from core.config import JOIN_TOKEN_ENV
+from core.policy import POLICIES
 from scheduler.service import SchedulerService
 
 log = structlog.get_logger("scheduler")

@@ -33,8 +33,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from federation.wire import SiteReport
-from nodes.emulator.profiles import PROFILES, GpuProfile
+from core.gpus import PROFILES, GpuProfile
+from core.wire import SiteReport
 from scheduler.workload import REFERENCE, Workload, WorkloadMix
 
 # Output tokens/s per GPU in MLPerf Inference 6.1 gpt-oss-120b Server runs (REFERENCE.md §3).

@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from federation.wire import RefusedSite, RouteRequest, SiteRegistration, SiteReport, SiteState, SiteStatus
-from federation.work import expected_output_tokens
+from core.policy import SiteLoad
+from core.wire import RefusedSite, RouteRequest, SiteRegistration, SiteReport, SiteState, SiteStatus
+from core.work import expected_output_tokens
 from scheduler.capacity import CapacityEstimator
-from scheduler.policy import SiteLoad
 from scheduler.slowstart import SlowStart
 from scheduler.workload import WorkloadMix
 

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Mapping
 import grpc
 import structlog
 
-from federation import wire
-from federation.credential import presented
-from scheduler.policy import POLICIES, RouteContext
+from core import wire
+from core.credential import presented
+from core.policy import POLICIES, RouteContext
 from scheduler.registry import RegistrationRefused, Registry, UnknownSite
 
 log = structlog.get_logger("scheduler")

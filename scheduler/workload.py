@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from federation.wire import SiteReport
+from core.wire import SiteReport
 
 # MLPerf gpt-oss-120b (REFERENCE.md): ~1,000 prompt tokens, 1,278 output tokens on average,
 # log-normal lengths (sigma 0.8); a running request is on average half way through its output,

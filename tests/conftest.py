@@ -11,9 +11,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from federation.config import load
+from core.config import load
+from core.processes import PROJECT_ROOT
 from federation.embedded import Federation
-from federation.processes import PROJECT_ROOT
 from nodes.emulator.launch import EmulatorProcess as Emulator
 from nodes.emulator.launch import launch
 from tests.test_federation import _config

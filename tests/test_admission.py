@@ -8,10 +8,10 @@ import asyncio
 import aiohttp
 import pytest
 
-from federation.config import load
+from core.config import load
+from core.processes import free_port_block
 from federation.drills.sampler import gateway_counters
 from federation.embedded import Federation
-from federation.processes import free_port_block
 from tests.test_federation import MODEL
 
 HELD = 40

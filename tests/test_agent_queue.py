@@ -10,10 +10,10 @@ import signal
 import aiohttp
 import pytest
 
-from federation import wire
-from federation.errors import UpstreamFailed
+from core import wire
+from core.errors import UpstreamFailed
+from core.processes import free_port_block, start_python
 from federation.gateway.upstream import SiteStream, Upstream
-from federation.processes import free_port_block, start_python
 from nodes.agent.pool import FAILURES_TO_UNHEALTHY, HEADROOM_MIN, HEALTH_INTERVAL_S, HEALTH_TIMEOUT_S
 from nodes.emulator.launch import launch
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from core.config import parse
+from core.processes import free_port_block
 from federation.bench import client, loadgen
 from federation.bench.loadgen import run_loadgen
 from federation.bench.workload import LengthDistribution, WorkloadSpec
-from federation.config import parse
 from federation.embedded import Federation
-from federation.processes import free_port_block
 
 SPEED = 10.0  # emulated GPUs 10x faster than real ones
 GPUS = 2  # per site: 4 emulated GPUs in all, small enough for a shared 2-core machine

@@ -8,11 +8,11 @@ import time
 import psutil
 import pytest
 
-from federation import config
+from core import config
+from core.processes import StartFailed
 from federation.bench import client
 from federation.bench.peers import FlatRouter
 from federation.bench.workload import LengthDistribution, WorkloadSpec
-from federation.processes import StartFailed
 from nodes.emulator.launch import EmulatorProcess
 
 RTT_MS = 130

@@ -10,8 +10,8 @@ import time
 import aiohttp
 import pytest
 
+from core.processes import free_port_block, start_python
 from federation.linkproxy import Link, LinkProxy
-from federation.processes import free_port_block, start_python
 from tests.test_federation import MODEL
 
 DETECTION_BOUND_S = 5.0  # generous: two keepalive periods (2 s) plus a loaded machine's slack

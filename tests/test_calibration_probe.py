@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from federation import wire
+from core import wire
+from core.processes import free_port_block, start_python
 from federation.admin import fetch_state
-from federation.processes import free_port_block, start_python
 from nodes.emulator.launch import launch
 from scheduler.capacity import prior_capacity_tok_s
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from federation.wire import SiteReport
-from nodes.emulator.profiles import PROFILES
+from core.gpus import PROFILES
+from core.wire import SiteReport
 from scheduler.capacity import CapacityEstimator, full_batch_tok_s, prior_capacity_tok_s
 from scheduler.workload import REFERENCE, Workload, WorkloadMix
 

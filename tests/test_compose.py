@@ -6,7 +6,7 @@ import importlib
 
 import yaml
 
-from federation.processes import PROJECT_ROOT
+from core.processes import PROJECT_ROOT
 
 
 def test_every_service_command_parses() -> None:

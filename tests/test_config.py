@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from federation.config import DEFAULT_YAML, ConfigError, parse
-from federation.processes import PROJECT_ROOT
+from core.config import DEFAULT_YAML, ConfigError, parse
+from core.processes import PROJECT_ROOT
 
 
 def test_default_is_the_embedded_federation() -> None:

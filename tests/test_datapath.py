@@ -16,7 +16,7 @@ import openai
 import orjson
 import pytest
 
-from federation.processes import Child, free_port_block, start_python
+from core.processes import Child, free_port_block, start_python
 from nodes.emulator.launch import launch
 
 WINDOW_MS = 500.0  # the agent's: long beside the emulated steps (~5 ms), so chunks must gather

@@ -13,13 +13,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from federation import admin, wire
+from core import wire
+from core.config import load
+from core.processes import PROJECT_ROOT
+from core.wire import SiteStatus
+from federation import admin
 from federation.admin import fetch_state
-from federation.config import load
 from federation.drills.faults import poll_until
 from federation.embedded import Federation
-from federation.processes import PROJECT_ROOT
-from federation.wire import SiteStatus
 from tests.test_failover import SITES
 from tests.test_federation import MODEL, _config
 

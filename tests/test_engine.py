@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from core.gpus import PROFILES, GpuProfile
 from nodes.emulator.engine import Engine, Sequence, _Segment
-from nodes.emulator.profiles import PROFILES, GpuProfile
 from nodes.emulator.wakeups import StepWakeups
 
 

@@ -14,10 +14,11 @@ import aiohttp
 import openai
 import pytest
 
-from federation import admin, tokens
+from core import tokens
+from core.processes import free_port_block, start_python
+from federation import admin
 from federation.drills.sampler import gateway_counters, site_tokens
 from federation.embedded import Federation
-from federation.processes import free_port_block, start_python
 from tests.conftest import SITES, fedctl
 from tests.test_federation import MODEL
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from federation.processes import PROJECT_ROOT
+from core.processes import PROJECT_ROOT
 from tests.test_federation import _config
 
 KEYS = {

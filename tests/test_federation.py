@@ -21,9 +21,9 @@ import aiohttp
 import openai
 import pytest
 
-from federation import tokens
+from core import tokens
+from core.processes import PROJECT_ROOT, Child, free_port_block, start_python
 from federation.drills.faults import poll_until
-from federation.processes import PROJECT_ROOT, Child, free_port_block, start_python
 from tests.test_worker_state import metric
 
 MODEL = "openai/gpt-oss-120b"

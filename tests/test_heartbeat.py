@@ -11,7 +11,8 @@ import time
 import psutil
 import pytest
 
-from federation import admin, wire
+from core import wire
+from federation import admin
 from federation.drills.faults import poll_until
 from nodes.agent.reporter import LOOP_STALL_LIMIT_S
 

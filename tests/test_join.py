@@ -11,10 +11,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from federation.config import JOIN_TOKEN_ENV
+from core.config import JOIN_TOKEN_ENV
+from core.processes import Child, free_port_block, start_python
 from federation.drills.faults import poll_until
 from federation.embedded import Federation
-from federation.processes import Child, free_port_block, start_python
 from nodes.emulator.launch import launch
 from tests.conftest import fedctl
 

@@ -8,7 +8,7 @@ import json
 import aiohttp
 import pytest
 
-from federation import tokens
+from core import tokens
 from nodes.emulator.launch import EmulatorProcess as Emulator
 
 

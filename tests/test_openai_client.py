@@ -8,7 +8,7 @@ from datetime import date
 import openai
 import pytest
 
-from federation import tokens
+from core import tokens
 from nodes.emulator.launch import EmulatorProcess as Emulator
 
 MODEL = "openai/gpt-oss-120b"

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from federation.wire import RouteRequest, SiteRegistration, SiteReport, SiteStatus
-from scheduler.policy import (
+from core.policy import (
     RouteContext,
     SiteLoad,
     least_expected_delay,
@@ -11,6 +10,7 @@ from scheduler.policy import (
     round_robin,
     static_weights,
 )
+from core.wire import RouteRequest, SiteRegistration, SiteReport, SiteStatus
 from scheduler.registry import RegistrationRefused, Registry
 
 KR = SiteLoad("kr", "ap-northeast-2", "kr:1", capacity_tok_s=50_000, outstanding_tokens=0)

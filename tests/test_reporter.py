@@ -10,9 +10,9 @@ import signal
 import psutil
 import pytest
 
-from federation import wire
+from core import wire
+from core.processes import free_port_block, start_python
 from federation.gateway.upstream import Upstream
-from federation.processes import free_port_block, start_python
 from nodes.emulator.launch import launch
 
 CALLS = 3_000  # their request ids alone are ~100 KB: more than a pipe holds

@@ -16,7 +16,7 @@ import aiohttp
 import openai
 import pytest
 
-from federation import tokens
+from core import tokens
 from nodes.emulator.launch import EmulatorProcess as Emulator
 from nodes.emulator.launch import free_port_block, launch
 from tests import netns

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from federation.processes import Child, start_python
+from core.processes import Child, start_python
 from tests.conftest import SITES, fedctl
 from tests.test_federation import MODEL, _config
 

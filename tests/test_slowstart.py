@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from federation.wire import SiteRegistration, SiteReport
+from core.wire import SiteRegistration, SiteReport
 from scheduler.registry import Registry
 from scheduler.slowstart import SlowStart
 

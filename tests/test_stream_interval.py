@@ -17,11 +17,11 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from federation import tokens
+from core import tokens
+from core.gpus import PROFILES
 from nodes.emulator.launch import EmulatorProcess as Emulator
 from nodes.emulator.launch import launch
 from nodes.emulator.output import GenerateSpec, plan_output
-from nodes.emulator.profiles import PROFILES
 from nodes.emulator.streaming import next_output_point, output_point
 
 MI300X = PROFILES["mi300x"]

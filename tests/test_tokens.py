@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from federation import tokens
+from core import tokens
 from nodes.emulator.output import GenerateSpec, plan_output
 
 

@@ -38,12 +38,12 @@ from typing import IO, Any
 
 import psutil
 
+from core.config import Config, load
+from core.gpus import PROFILES
 from federation.bench import scenarios
 from federation.bench.peers import FlatRouter
 from federation.bench.workload import Sample
-from federation.config import Config, load
 from federation.embedded import Federation
-from nodes.emulator.profiles import PROFILES
 
 # The embedded default's sites with this many GPUs each: at real speed and full batches these
 # send ~20 k events/s, what this machine can emulate, relay and read at once (the issue's own

@@ -27,9 +27,9 @@ import aiohttp
 import orjson
 import psutil
 
-from federation import runtime
+from core import runtime
+from core.gpus import PROFILES
 from nodes.emulator.launch import EmulatorProcess, launch
-from nodes.emulator.profiles import PROFILES
 
 QUEUE_MARGIN = 1.03  # clients per running slot: a short queue keeps every slot busy
 PROGRESS_EVERY_S = 15.0

@@ -28,8 +28,8 @@ import time
 import urllib.request
 from typing import IO, Any
 
-from federation.config import Config, SiteConfig
-from federation.processes import PROJECT_ROOT, Child, StartFailed, free_port_block, start_python
+from core.config import Config, SiteConfig
+from core.processes import PROJECT_ROOT, Child, StartFailed, free_port_block, start_python
 from nodes.emulator.launch import launch
 
 ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware")

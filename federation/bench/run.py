@@ -22,15 +22,15 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, Any
 
-from federation import runtime
+from core import runtime
+from core.config import Config, load
+from core.policy import POLICIES
+from core.processes import free_port_block
 from federation.bench import datapath, scenarios
 from federation.bench.peers import ROUTER_POLICIES, FlatRouter
 from federation.bench.workload import MLPERF_LIKE_OUTPUTS, MLPERF_LIKE_PROMPTS, Sample, WorkloadSpec
-from federation.config import Config, load
 from federation.embedded import running
-from federation.processes import free_port_block
 from scheduler.capacity import prior_capacity_tok_s
-from scheduler.policy import POLICIES
 
 # 32 emulated GPUs at SGLang's per-token pace, their clients and every hop of the federation on
 # two cores: every token costs ~85 µs of CPU across the processes (`--datapath`, emulator and

@@ -14,7 +14,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from federation import tokens
+from core import tokens
 
 MLPERF_MEAN_OUTPUT_TOKENS = 1278
 MLPERF_MAX_OUTPUT_TOKENS = 10_240

@@ -22,12 +22,13 @@ from typing import ClassVar
 
 import grpc
 
-from federation import admin, wire
-from federation.config import SiteConfig
+from core import wire
+from core.config import SiteConfig
+from core.processes import free_port_block
+from federation import admin
 from federation.drills.target import DrillError, Target
 from federation.embedded import Federation
 from federation.linkproxy import BLACKHOLE_SIGNAL
-from federation.processes import free_port_block
 
 BROWNOUT_FACTOR = 4.0
 WORKERS_LOST = 4

@@ -31,12 +31,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from federation import admin, runtime
+from core import runtime
+from core.config import Config
+from federation import admin
 from federation.bench import scenarios
 from federation.bench.client import Result
 from federation.bench.run import bench_config
 from federation.bench.workload import MLPERF_LIKE_PROMPTS, LengthDistribution, WorkloadSpec
-from federation.config import Config
 from federation.drills import timeline
 from federation.drills.faults import (
     BROWNOUT_FACTOR,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from federation.wire import SiteState, SiteStatus
+from core.wire import SiteState, SiteStatus
 
 SAMPLE_INTERVAL_S = 0.5  # twice per timeline bin
 SCRAPE_TIMEOUT_S = 5.0

@@ -13,7 +13,8 @@ import os
 import subprocess
 from dataclasses import dataclass
 
-from federation import admin, wire
+from core import wire
+from federation import admin
 from federation.embedded import Federation
 
 COMMAND_TIMEOUT_S = 60.0

@@ -8,10 +8,10 @@ import sys
 import structlog
 from aiohttp import web
 
-from federation import runtime, tokens
+from core import runtime, tokens
+from core.policy import POLICIES
 from federation.gateway.app import GatewayConfig, build_app
 from federation.gateway.failover import RETRY_BUDGET_S, FailoverConfig
-from scheduler.policy import POLICIES
 
 log = structlog.get_logger("gateway")
 SHUTDOWN_GRACE_S = 5.0  # open streams get this long at shutdown (fedctl waits 10 s)

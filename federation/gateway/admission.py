@@ -26,8 +26,8 @@ import math
 import time
 from dataclasses import dataclass
 
-from federation import wire
-from federation.errors import BadRequest, TooBusy
+from core import wire
+from core.errors import BadRequest, TooBusy
 from federation.gateway.schedulers import Schedulers
 
 HOLD_CHECK_S = 0.1  # with no new state (a scheduler lost), the queue's head is weighed this often

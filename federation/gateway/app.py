@@ -22,8 +22,8 @@ import orjson
 import structlog
 from aiohttp import web
 
-from federation import wire
-from federation.errors import BadRequest, FederationError, TooBusy
+from core import wire
+from core.errors import BadRequest, FederationError, TooBusy
 from federation.gateway import admission, jobs, metrics
 from federation.gateway.admission import Admission
 from federation.gateway.failover import FailoverConfig, Generation, SiteBreakers

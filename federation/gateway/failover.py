@@ -26,8 +26,8 @@ from typing import Any, NamedTuple, Protocol
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
-from federation import tokens, wire
-from federation.errors import NoCapacity, SiteWorkerFailed, UpstreamFailed
+from core import tokens, wire
+from core.errors import NoCapacity, SiteWorkerFailed, UpstreamFailed
 from federation.gateway import metrics
 from federation.gateway.jobs import Job
 from federation.gateway.schedulers import Schedulers

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from datetime import date
 from typing import Any, Literal
 
-from federation import tokens, wire
-from federation.errors import BadRequest, ModelNotFound
+from core import tokens, wire
+from core.errors import BadRequest, ModelNotFound
 
 JobKind = Literal["chat", "completion", "generate"]
 # OpenAI request fields that become SGLang sampling parameters, and their SGLang names.

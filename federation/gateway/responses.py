@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from federation.errors import UpstreamFailed
+from core.errors import UpstreamFailed
 from federation.gateway.failover import Chunk
 from federation.gateway.jobs import Job
 

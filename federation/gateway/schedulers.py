@@ -21,11 +21,11 @@ import grpc
 import structlog
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
-from federation import runtime, wire
-from federation.errors import NoCapacity
+from core import runtime, wire
+from core.errors import NoCapacity
+from core.policy import POLICIES, RouteContext, SiteLoad
+from core.work import expected_output_tokens
 from federation.gateway import metrics
-from federation.work import expected_output_tokens
-from scheduler.policy import POLICIES, RouteContext, SiteLoad
 
 log = structlog.get_logger("gateway")
 

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from federation import runtime, wire
-from federation.errors import BadRequest, FederationError, SiteWorkerFailed, UpstreamFailed
+from core import runtime, wire
+from core.errors import BadRequest, FederationError, SiteWorkerFailed, UpstreamFailed
 
 log = structlog.get_logger("gateway")
 

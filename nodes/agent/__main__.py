@@ -21,8 +21,8 @@ import aiohttp
 import grpc
 import structlog
 
-from federation import runtime, wire
-from federation.config import JOIN_TOKEN_ENV
+from core import runtime, wire
+from core.config import JOIN_TOKEN_ENV
 from nodes.agent import calibrate
 from nodes.agent.join import JoinGate
 from nodes.agent.pool import WorkerPool

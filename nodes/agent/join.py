@@ -14,8 +14,8 @@ import asyncio
 
 import grpc
 
-from federation import wire
-from federation.credential import presented
+from core import wire
+from core.credential import presented
 
 
 def _describe(site: str, region: str, gpu: str, gpus: int) -> str:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from federation import wire
+from core import wire
 
 # The longest a token waits at the agent while its stream flows: the cadence of the chunks a
 # client sees. At MLPerf's TPOT (~70-80 ms) a chunk then carries one or two tokens; the gateway's

@@ -32,8 +32,8 @@ from multiprocessing.connection import Connection
 import grpc
 import structlog
 
-from federation import logs, runtime, wire
-from federation.credential import bearer
+from core import logs, runtime, wire
+from core.credential import bearer
 
 log = structlog.get_logger("agent.reporter")
 

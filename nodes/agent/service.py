@@ -16,8 +16,8 @@ import aiohttp
 import grpc
 import structlog
 
-from federation import wire
-from federation.work import expected_output_tokens
+from core import wire
+from core.work import expected_output_tokens
 from nodes.agent import sglang, worker_stream
 from nodes.agent.delivered import DeliveredRate
 from nodes.agent.join import JoinGate

@@ -15,8 +15,8 @@ import sys
 
 import structlog
 
-from federation import runtime, tokens
-from nodes.emulator.profiles import PROFILES
+from core import runtime, tokens
+from core.gpus import PROFILES
 from nodes.emulator.server import WorkerServer
 from nodes.emulator.worker import Faults, WorkerConfig
 

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from nodes.emulator.profiles import GpuProfile
+from core.gpus import GpuProfile
 from nodes.emulator.wakeups import StepWakeups
 
 INIT_NEW_TOKEN_RATIO = 0.7  # SGLang's init_new_token_ratio (schedule_conservativeness 1.0)

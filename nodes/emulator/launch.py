@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import IO
 
-from federation.processes import PROJECT_ROOT, Child, free_port_block, start_python
+from core.processes import PROJECT_ROOT, Child, free_port_block, start_python
 
 __all__ = ["PROJECT_ROOT", "EmulatorProcess", "free_port_block", "launch"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from federation import tokens
+from core import tokens
 from nodes.emulator.output import GenerateSpec
 from nodes.emulator.params import (
     BodyError,

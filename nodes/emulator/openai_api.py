@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from federation import tokens
+from core import tokens
 from nodes.emulator.native_api import count_prompt
 from nodes.emulator.output import GenerateSpec
 from nodes.emulator.params import (

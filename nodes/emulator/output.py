@@ -14,8 +14,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from federation import tokens
-from federation.tokens import SyntheticText
+from core import tokens
+from core.tokens import SyntheticText
 
 EOS_TOKEN_ID = tokens.EOS_TOKEN_IDS[0]  # <|return|>: how a gpt-oss answer ends
 OUTPUT_LENGTH_SIGMA = 0.8  # log-normal spread of natural answer lengths

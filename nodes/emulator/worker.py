@@ -11,12 +11,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from federation import tokens
+from core import tokens
+from core.gpus import MODEL_CONTEXT_TOKENS, GpuProfile
 from nodes.emulator.engine import Engine, Sequence
 from nodes.emulator.metrics import WorkerMetrics
 from nodes.emulator.output import GenerateSpec, OutputPlan, plan_output
 from nodes.emulator.params import resolve_max_new_tokens, verify_sampling
-from nodes.emulator.profiles import MODEL_CONTEXT_TOKENS, GpuProfile
 
 
 class DuplicateRequestId(ValueError):

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from federation.wire import RouteDecision, RouteRequest
-from federation.work import expected_output_tokens
+from core.wire import RouteDecision, RouteRequest
+from core.work import expected_output_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from scheduler.policy import POLICIES
+from core.policy import POLICIES
 
 CONFIG_ENV = "FEDERATION_CONFIG"  # a YAML file used when --config is not given
 JOIN_TOKEN_ENV = "FEDERATION_JOIN_TOKEN"  # the credential a site presents to join (schedulers and agents)

@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 import uvloop
 
-from federation import logs
+from core import logs
 
 # gRPC servers: a busy port is an error (gRPC shares it by default, mixing two federations),
 # and a burst of new calls is queued, not cancelled: grpc-core cancels calls beyond 1,000
@@ -107,7 +107,7 @@ def stop_event() -> asyncio.Event:
 
 
 def announce_ready(**fields: Any) -> None:
-    """The one stdout line that says this program serves (see federation.processes)."""
+    """The one stdout line that says this program serves (see core.processes)."""
     print(json.dumps({"event": "ready", **fields}), flush=True)
 
 
