@@ -9,11 +9,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Literal
 
+import pydantic
 import yaml
+from pydantic import ConfigDict, Field, Strict, StrictStr
 
 from core.policy import POLICIES
+from core.settings import Timings, describe
 
 CONFIG_ENV = "FEDERATION_CONFIG"  # a YAML file used when --config is not given
 JOIN_TOKEN_ENV = "FEDERATION_JOIN_TOKEN"  # the credential a site presents to join (schedulers and agents)
@@ -71,6 +74,7 @@ class Config:
     rtt_ms: dict[tuple[str, str], float] = field(default_factory=dict)  # both orders present
     sites: tuple[SiteConfig, ...] = ()
     scheduler_replicas: int = 1  # active-active: any of them can decide, agents report to all
+    timings: Timings = field(default_factory=Timings)  # each component's waits (core/settings.py)
 
     @property
     def gateway_url(self) -> str:
@@ -107,104 +111,111 @@ class Config:
         )
 
 
-def _need(d: dict[str, Any], key: str, kind: type, where: str) -> Any:
-    value = d.get(key)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ConfigError(f"{where}: `{key}` must be a {kind.__name__}, got {value!r}")
-    return value
+_POSITIVE_INT = Annotated[int, Strict(), Field(ge=1)]
+_PORT = Annotated[int, Strict(), Field(ge=1, le=65535)]
+_NUMBER = Annotated[float, Strict(), Field(allow_inf_nan=False)]  # an int is a number too, a bool is not
 
 
-def _port(value: object, where: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        raise ConfigError(f"{where}: ports must be integers in 1..65535, got {value!r}")
+class _Section(pydantic.BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)  # a misspelt key is an error, not a default
+
+
+class _Gateway(_Section):
+    port: _PORT = 8080
+    region: StrictStr = ""
+    processes: _POSITIVE_INT = 1
+    ttft_budget_ms: Annotated[_NUMBER, Field(ge=0)] = 0.0
+
+
+class _Scheduler(_Section):
+    port: _PORT = 50051
+    region: StrictStr | None = None  # the gateway's
+    replicas: _POSITIVE_INT = 1
+    policy: StrictStr = "least_expected_delay"
+
+    @pydantic.model_validator(mode="after")
+    def _known(self) -> _Scheduler:
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduler.policy must be one of {', '.join(sorted(POLICIES))}")
+        if self.port + self.replicas - 1 > 65535:
+            raise ValueError("the last replica's port (port + replicas - 1) must be <= 65535")
+        return self
+
+
+class _Link(_Section):
+    between: tuple[StrictStr, StrictStr]
+    rtt_ms: Annotated[_NUMBER, Field(ge=0)]
+
+
+class _Site(_Section):
+    name: StrictStr
+    region: StrictStr
+    gpu: Literal[GPUS]
+    gpus: _POSITIVE_INT
+    agent_port: _PORT
+    worker_port: _PORT | None = None  # first port of the emulated workers; None: any free block
+
+    @pydantic.model_validator(mode="after")
+    def _ports(self) -> _Site:
+        if self.worker_port is not None and self.worker_port + self.gpus - 1 > 65535:
+            raise ValueError("the last worker's port (worker_port + gpus - 1) must be <= 65535")
+        return self
+
+
+class _File(_Section):
+    """The config file as written: every key, its type and its bounds."""
+
+    model: StrictStr = "openai/gpt-oss-120b"
+    host: StrictStr = "127.0.0.1"
+    speed: Annotated[_NUMBER, Field(gt=0)] = 1.0
+    stream_interval: _POSITIVE_INT = 1
+    gateway: _Gateway = _Gateway()
+    scheduler: _Scheduler = _Scheduler()
+    links: list[_Link] = []
+    sites: Annotated[list[_Site], Field(min_length=1)]
+    timings: Timings = Timings()
 
 
 def parse(text: str, source: str = "config") -> Config:
+    """The file's Config; ConfigError saying, on one line, each field that is wrong."""
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
-    gateway = raw.get("gateway") or {}
-    scheduler = raw.get("scheduler") or {}
-    for name, section in (("gateway", gateway), ("scheduler", scheduler)):
-        if not isinstance(section, dict):
-            raise ConfigError(f"{source}: `{name}` must be a mapping like {{port: 8080, region: us-west-2}}")
-        _port(section.get("port", 1), f"{source}: {name}")
-    policy = scheduler.get("policy", "least_expected_delay")
-    if policy not in POLICIES:
-        raise ConfigError(f"{source}: scheduler.policy must be one of {', '.join(sorted(POLICIES))}")
-    rtt: dict[tuple[str, str], float] = {}
-    for i, link in enumerate(raw.get("links") or []):
-        between = link.get("between") if isinstance(link, dict) else None
-        if not (isinstance(between, list) and len(between) == 2 and all(isinstance(r, str) for r in between)):
-            raise ConfigError(f"{source}: links[{i}].between must name two regions")
-        ms = link.get("rtt_ms")
-        if isinstance(ms, bool) or not isinstance(ms, int | float) or ms < 0:
-            raise ConfigError(f"{source}: links[{i}].rtt_ms must be a number >= 0")
-        a, b = between
-        rtt[(a, b)] = rtt[(b, a)] = float(ms)
-    sites = []
-    for i, s in enumerate(raw.get("sites") or []):
-        where = f"{source}: sites[{i}]"
-        if not isinstance(s, dict):
-            raise ConfigError(f"{where} must be a mapping")
-        site = SiteConfig(
-            _need(s, "name", str, where),
-            _need(s, "region", str, where),
-            _need(s, "gpu", str, where),
-            _need(s, "gpus", int, where),
-            _need(s, "agent_port", int, where),
-            _need(s, "worker_port", int, where) if "worker_port" in s else None,
-        )
-        if site.gpu not in GPUS:
-            raise ConfigError(f"{where}: gpu must be one of {', '.join(GPUS)}")
-        if site.gpus < 1:
-            raise ConfigError(f"{where}: gpus must be >= 1")
-        _port(site.agent_port, where)
-        if site.worker_port is not None:
-            _port(site.worker_port + site.gpus - 1, where)
-        sites.append(site)
-    if not sites:
-        raise ConfigError(f"{source}: at least one site is needed")
-    processes = _need(gateway, "processes", int, f"{source}: gateway") if "processes" in gateway else 1
-    replicas = _need(scheduler, "replicas", int, f"{source}: scheduler") if "replicas" in scheduler else 1
-    if replicas < 1:
-        raise ConfigError(f"{source}: scheduler.replicas must be >= 1")
-    _port(scheduler.get("port", 50051) + replicas - 1, f"{source}: scheduler (the last replica)")
-    budget = gateway.get("ttft_budget_ms", 0.0)
-    if isinstance(budget, bool) or not isinstance(budget, int | float) or budget < 0:
-        raise ConfigError(f"{source}: gateway.ttft_budget_ms must be a number >= 0")
-    if processes < 1:
-        raise ConfigError(f"{source}: gateway.processes must be >= 1")
-    if len({s.name for s in sites}) != len(sites):
-        raise ConfigError(f"{source}: site names must be unique")
-    speed, interval = raw.get("speed", 1.0), raw.get("stream_interval", 1)
-    if isinstance(speed, bool) or not isinstance(speed, int | float) or speed <= 0:
-        raise ConfigError(f"{source}: speed must be a number > 0")
     if "stream_chunk_ms" in raw:
         raise ConfigError(
             f"{source}: stream_chunk_ms is gone: emulated workers stream as SGLang does, an event every "
             "`stream_interval` decode steps (1, the default, is an event per token)"
         )
-    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-        raise ConfigError(f"{source}: stream_interval must be an integer >= 1")
+    try:
+        file = _File.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(describe(exc, source)) from None
+    rtt: dict[tuple[str, str], float] = {}
+    for link in file.links:
+        a, b = link.between
+        rtt[(a, b)] = rtt[(b, a)] = float(link.rtt_ms)
+    sites = tuple(SiteConfig(s.name, s.region, s.gpu, s.gpus, s.agent_port, s.worker_port) for s in file.sites)
+    if len({s.name for s in sites}) != len(sites):
+        raise ConfigError(f"{source}: site names must be unique")
     config = Config(
-        model=str(raw.get("model", "openai/gpt-oss-120b")),
-        host=str(raw.get("host", "127.0.0.1")),
-        speed=float(speed),
-        gateway_port=int(gateway.get("port", 8080)),
-        gateway_region=str(gateway.get("region", "")),
-        scheduler_port=int(scheduler.get("port", 50051)),
-        scheduler_region=str(scheduler.get("region", gateway.get("region", ""))),
-        policy=policy,
-        stream_interval=interval,
-        gateway_processes=processes,
-        ttft_budget_ms=float(budget),
+        model=file.model,
+        host=file.host,
+        speed=float(file.speed),
+        gateway_port=file.gateway.port,
+        gateway_region=file.gateway.region,
+        scheduler_port=file.scheduler.port,
+        scheduler_region=file.gateway.region if file.scheduler.region is None else file.scheduler.region,
+        policy=file.scheduler.policy,
+        stream_interval=file.stream_interval,
+        gateway_processes=file.gateway.processes,
+        ttft_budget_ms=float(file.gateway.ttft_budget_ms),
         rtt_ms=rtt,
-        sites=tuple(sites),
-        scheduler_replicas=replicas,
+        sites=sites,
+        scheduler_replicas=file.scheduler.replicas,
+        timings=file.timings,
     )
     try:
         for site in config.sites:

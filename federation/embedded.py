@@ -20,6 +20,7 @@ import grpc
 from core import wire
 from core.config import JOIN_TOKEN_ENV, Config, SiteConfig
 from core.processes import Child, StartFailed, start_python
+from core.settings import to_json
 from federation.admin import fetch_state
 from federation.gateway import metrics
 
@@ -72,7 +73,7 @@ class Federation:
         gateway_args += [
             arg for address in self._to_schedulers("gateway", c.gateway_region) for arg in ("--scheduler", address)
         ]
-        gateway_args += ["--ttft-budget-ms", str(c.ttft_budget_ms), *rtt_args]
+        gateway_args += ["--ttft-budget-ms", str(c.ttft_budget_ms), *rtt_args, *_timings_args(c.timings.gateway)]
         shared, env = [], {}
         if c.gateway_processes > 1:  # one port, and one /metrics for all of them
             self._metrics_dir = tempfile.mkdtemp(prefix="federation-gateway-metrics-")
@@ -95,7 +96,11 @@ class Federation:
     def _scheduler_args(self, replica: int) -> list[str]:
         c = self.config
         port = c.scheduler_port + replica
-        return ["--host", c.host, "--port", str(port), "--model", c.model, "--policy", c.policy, *self._rtt_args()]
+        return [
+            *("--host", c.host, "--port", str(port), "--model", c.model, "--policy", c.policy),
+            *self._rtt_args(),
+            *_timings_args(c.timings.scheduler),
+        ]
 
     def _to_schedulers(self, client: str, region: str) -> list[str]:
         """The addresses `client` (in `region`) dials for each replica: across a WAN link
@@ -149,6 +154,7 @@ class Federation:
                 "--emulator-stream-interval",
                 str(c.stream_interval),
                 *(["--emulator-port", str(site.worker_port)] if site.worker_port else []),
+                *_timings_args(c.timings.agent),
             ],
         )
 
@@ -217,3 +223,8 @@ def running(config: Config, log: IO[str] | None = None) -> Iterator[str]:
         yield config.gateway_url + "/v1"
     finally:
         federation.down()
+
+
+def _timings_args(timings: object) -> list[str]:
+    """A component's `--timings`, when the config changes any of its defaults."""
+    return [] if timings == type(timings)() else ["--timings", to_json(timings)]

@@ -16,10 +16,10 @@ import structlog
 from core import runtime, wire
 from core.config import JOIN_TOKEN_ENV
 from core.policy import POLICIES
+from core.settings import SchedulerTimings, from_json
 from scheduler.service import SchedulerService
 
 log = structlog.get_logger("scheduler")
-GRACE_S = 2.0  # in-flight RPCs get this long at shutdown
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,13 +35,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="routing policy; the others are baselines for benchmarks",
     )
     p.add_argument("--rtt-ms", type=runtime.rtt_arg, action="append", default=[], help="REGION:REGION=MS, repeatable")
-    return p.parse_args(argv)
+    p.add_argument("--timings", default="{}", help="JSON: SchedulerTimings fields to override (core/settings.py)")
+    args = p.parse_args(argv)
+    try:
+        args.timings = from_json(SchedulerTimings, args.timings)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
 
 
 async def serve(args: argparse.Namespace) -> int:
     rtt = runtime.rtt_map(args.rtt_ms)
     credential = os.environ.get(JOIN_TOKEN_ENV, "")
-    service = SchedulerService(args.model, rtt, args.policy, tokenizer=args.tokenizer, join_credential=credential)
+    service = SchedulerService(
+        args.model, rtt, args.policy, tokenizer=args.tokenizer, join_credential=credential, timings=args.timings
+    )
     server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
     wire.add_scheduler_to_server(service, server)
     address = f"{args.host}:{args.port}"
@@ -56,7 +64,7 @@ async def serve(args: argparse.Namespace) -> int:
     runtime.announce_ready(scheduler=address)
     await stop.wait()
     expiry.cancel()
-    await server.stop(GRACE_S)
+    await server.stop(args.timings.shutdown_grace_s)
     return 0
 
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from core.policy import SiteLoad
+from core.settings import SchedulerTimings
 from core.wire import RefusedSite, RouteRequest, SiteRegistration, SiteReport, SiteState, SiteStatus
 from core.work import expected_output_tokens
 from scheduler.capacity import CapacityEstimator
@@ -21,8 +22,8 @@ from scheduler.workload import WorkloadMix
 # a minute (measured: 13 k calls reached the US site up to 60 s after their routes). Each
 # report acknowledges the calls taken by request id, so a slow route stays counted however
 # slow it is. A route still unacknowledged after this long never reached the site (its
-# gateway died on the way): it stops counting, so such phantoms cannot pile up.
-IN_TRANSIT_LIMIT_S = 300.0
+# gateway died on the way): it stops counting, so such phantoms cannot pile up
+# (SchedulerTimings.in_transit_limit_s).
 REFUSALS_KEPT = 50  # enough for an operator to see every site that failed to join today
 
 
@@ -64,10 +65,11 @@ class Site:
 
 
 class Registry:
-    def __init__(self, model: str, heartbeat_timeout_s: float, tokenizer: str = "") -> None:
+    def __init__(self, model: str, timings: SchedulerTimings, tokenizer: str = "") -> None:
         self.model = model
         self.tokenizer = tokenizer or model  # SGLang's tokenizer path defaults to the model's
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.heartbeat_timeout_s = timings.heartbeat_timeout_s
+        self.in_transit_limit_s = timings.in_transit_limit_s
         self.sites: dict[str, Site] = {}
         self.refused: dict[str, RefusedSite] = {}  # by site name, until that site joins
         self.workload = WorkloadMix()  # what every site's capacity is scaled to
@@ -129,7 +131,7 @@ class Registry:
         site.slow_start.observe(report.running_requests, report.delivered_tok_s, site.capacity_tok_s, report.slots)
         for request_id in report.received_ids:
             site.in_transit.pop(request_id, None)
-        while site.in_transit and next(iter(site.in_transit.values()))[0] < now - IN_TRANSIT_LIMIT_S:
+        while site.in_transit and next(iter(site.in_transit.values()))[0] < now - self.in_transit_limit_s:
             del site.in_transit[next(iter(site.in_transit))]
         site.outstanding_requests = report.outstanding_requests + len(site.in_transit)
         site.outstanding_tokens = report.outstanding_tokens + sum(tokens for _, tokens in site.in_transit.values())

@@ -15,14 +15,11 @@ import structlog
 from core import wire
 from core.credential import presented
 from core.policy import POLICIES, RouteContext
+from core.settings import SchedulerTimings
 from scheduler.registry import RegistrationRefused, Registry, UnknownSite
 
 log = structlog.get_logger("scheduler")
 
-REPORT_INTERVAL_S = 0.25  # agents report this often: a dead site is seen well within 1 s
-HEARTBEAT_TIMEOUT_S = 1.0  # a site silent this long is down (DESIGN: down within 1 s)
-STALL_TOLERANCE_S = 0.25  # an expiry check later than this says the scheduler, not the site, was silent
-EXPIRY_CHECK_S = 0.1
 # Checks skipped in a row for lag, at most: a scheduler lagging all the time (a flood of calls)
 # must still mark dead sites down, if later than it would idle.
 MAX_SKIPPED_CHECKS = 10
@@ -43,8 +40,10 @@ class SchedulerService(wire.SchedulerServicer):
         *,
         tokenizer: str = "",
         join_credential: str = "",
+        timings: SchedulerTimings = SchedulerTimings(),
     ) -> None:
-        self.registry = Registry(model, HEARTBEAT_TIMEOUT_S, tokenizer)
+        self.timings = timings
+        self.registry = Registry(model, timings, tokenizer)
         self.join_credential = join_credential  # "": any site may join (a federation on one machine)
         self.rtt_s = dict(rtt_s)
         self.policy = POLICIES[policy]
@@ -58,10 +57,10 @@ class SchedulerService(wire.SchedulerServicer):
         MAX_SKIPPED_CHECKS in a row: after those, whatever still has not reported is down)."""
         checked_at, skipped = time.monotonic(), 0
         while True:
-            await asyncio.sleep(EXPIRY_CHECK_S)
+            await asyncio.sleep(self.timings.expiry_check_s)
             now = time.monotonic()
-            lag_s, checked_at = now - checked_at - EXPIRY_CHECK_S, now
-            if lag_s > STALL_TOLERANCE_S and skipped < MAX_SKIPPED_CHECKS:
+            lag_s, checked_at = now - checked_at - self.timings.expiry_check_s, now
+            if lag_s > self.timings.stall_tolerance_s and skipped < MAX_SKIPPED_CHECKS:
                 skipped += 1
                 log.warning("scheduler.stalled", lag_s=round(lag_s, 3))
                 continue
@@ -90,7 +89,9 @@ class SchedulerService(wire.SchedulerServicer):
             agent=reg.agent_address,
             prior_capacity_tok_s=site.prior_capacity_tok_s,
         )
-        return wire.registered_to_pb(wire.Registered(reg.name, site.prior_capacity_tok_s, REPORT_INTERVAL_S))
+        return wire.registered_to_pb(
+            wire.Registered(reg.name, site.prior_capacity_tok_s, self.timings.report_interval_s)
+        )
 
     async def Report(self, request_iterator, context):
         """Reports in, commands out. The stream's end marks the site down at once."""

@@ -13,8 +13,9 @@ import pytest
 from core import wire
 from core.errors import UpstreamFailed
 from core.processes import free_port_block, start_python
+from core.settings import AgentTimings
 from federation.gateway.upstream import SiteStream, Upstream
-from nodes.agent.pool import FAILURES_TO_UNHEALTHY, HEADROOM_MIN, HEALTH_INTERVAL_S, HEALTH_TIMEOUT_S
+from nodes.agent.pool import FAILURES_TO_UNHEALTHY, HEADROOM_MIN
 from nodes.emulator.launch import launch
 
 RUNNING_LIMIT = 2
@@ -112,9 +113,10 @@ async def test_a_site_that_loses_every_worker_fails_its_queue_at_once() -> None:
         assert all(isinstance(r, UpstreamFailed) for r in results), results
         reasons = {"lost every worker", "stopped answering its health checks"}  # at the agent; at a worker
         assert all(any(why in str(r) for why in reasons) for r in results), results
-        # Hung workers are given up by their health checks (each waits HEALTH_TIMEOUT_S); a bound
+        # Hung workers are given up by their health checks (each waits `health_timeout_s`); a bound
         # far under the first-token timeout the queue used to wait for.
-        assert waited_s < 4 * FAILURES_TO_UNHEALTHY * (HEALTH_INTERVAL_S + HEALTH_TIMEOUT_S)
+        timings = AgentTimings()
+        assert waited_s < 4 * FAILURES_TO_UNHEALTHY * (timings.health_interval_s + timings.health_timeout_s)
     finally:
         for s in streams:
             s.close()

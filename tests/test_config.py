@@ -26,14 +26,29 @@ def test_default_is_the_embedded_federation() -> None:
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
-        ("gateway: 8080", "`gateway` must be a mapping"),
-        ("gateway: {port: http}", "ports must be integers"),
-        ("sites: [{name: a, region: r, gpu: h100, gpus: 1, agent_port: 1}]", "gpu must be one of"),
-        ("sites: [{name: a, region: r, gpu: mi300x, gpus: 0, agent_port: 1}]", "gpus must be >= 1"),
-        ("sites: []", "at least one site"),
-        ("links: [{between: [a], rtt_ms: 5}]", "must name two regions"),
+        ("gateway: 8080", "gateway: Input should be a valid dictionary"),
+        ("gateway: {port: http}", "gateway.port: Input should be a valid integer"),
+        ("gateway: {port: 70000}", "gateway.port: Input should be less than or equal to 65535"),
+        (
+            "sites: [{name: a, region: r, gpu: h100, gpus: 1, agent_port: 1}]",
+            "sites[0].gpu: Input should be 'mi300x' or 'mi355x'",
+        ),
+        (
+            "sites: [{name: a, region: r, gpu: mi300x, gpus: 0, agent_port: 1}]",
+            "sites[0].gpus: Input should be greater than or equal to 1",
+        ),
+        (
+            "sites: [{name: a, region: r, gpu: mi300x, gpus: '2', agent_port: 1}]",
+            "sites[0].gpus: Input should be a valid integer",
+        ),
+        ("sites: []", "sites: List should have at least 1 item"),
+        ("links: [{between: [a], rtt_ms: 5}]", "links[0].between[1]: Field required"),
         ("{{{", "not valid YAML"),
         ("scheduler: {policy: fastest}", "scheduler.policy must be one of"),
+        ("speed: true", "speed: Input should be a valid number"),
+        ("gatewya: {port: 8080}", "gatewya: Extra inputs are not permitted"),  # a typo is not a default
+        ("timings: {agent: {coalesce_s: 0}}", "timings.agent.coalesce_s: Input should be greater than 0"),
+        ("timings: {gateway: {route_timout_s: 5}}", "timings.gateway.route_timout_s: Unexpected keyword argument"),
     ],
 )
 def test_bad_configs_are_explained(text: str, fragment: str) -> None:
@@ -55,10 +70,11 @@ def _fedctl_up(config: Path) -> subprocess.CompletedProcess:
 def test_fedctl_reports_a_bad_config_without_a_traceback(tmp_path: Path) -> None:
     """`fedctl up --config BAD` exits 2 with one line saying what is wrong."""
     bad = tmp_path / "bad.yaml"
-    bad.write_text("gateway: 8080\n")
+    bad.write_text("gateway: 8080\nsites: [{name: a, gpus: 0}]\n")  # three problems, one line
     proc = _fedctl_up(bad)
     assert proc.returncode == 2
-    assert "must be a mapping" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "gateway: Input should be a valid dictionary" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize(

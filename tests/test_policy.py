@@ -10,6 +10,7 @@ from core.policy import (
     round_robin,
     static_weights,
 )
+from core.settings import SchedulerTimings
 from core.wire import RouteRequest, SiteRegistration, SiteReport, SiteStatus
 from scheduler.registry import RegistrationRefused, Registry
 
@@ -67,7 +68,7 @@ def test_baselines_ignore_what_they_claim_to_ignore() -> None:
 def test_registry_refuses_another_model_and_tracks_states() -> None:
     """A site serving another model is refused with the reason; reports make a site ready, draining
     keeps it out of routing, and a broken stream marks it down at once."""
-    reg = Registry("openai/gpt-oss-120b", heartbeat_timeout_s=1.0)
+    reg = Registry("openai/gpt-oss-120b", SchedulerTimings())
     try:
         reg.register(SiteRegistration("x", "r", "mi355x", 8, "x:1", "other/model"))
     except RegistrationRefused as exc:
@@ -90,7 +91,7 @@ def test_registry_refuses_another_model_and_tracks_states() -> None:
 
 def test_a_report_older_than_a_route_does_not_erase_it() -> None:
     """Routes the agent has not taken yet stay counted until a report acknowledges them."""
-    reg = Registry("openai/gpt-oss-120b", heartbeat_timeout_s=1.0)
+    reg = Registry("openai/gpt-oss-120b", SchedulerTimings())
     reg.register(SiteRegistration("us", "us-west-2", "mi355x", 16, "us:1", "openai/gpt-oss-120b"))
     reg.apply_report(SiteReport("us", healthy_workers=16, total_workers=16), now=1.0)
     reg.record_route("us", RouteRequest("a", prompt_tokens=10, max_tokens=300), now=1.1)
@@ -106,7 +107,7 @@ def test_a_slow_route_stays_counted_until_its_call_arrives() -> None:
     """Under a burst on a busy machine calls reach the agent a minute after their routes (13 k
     of them did in a bench run): counted as in transit all that time, not written off, while
     the calls the agent took meanwhile (acknowledged by id) stop counting as in transit."""
-    reg = Registry("openai/gpt-oss-120b", heartbeat_timeout_s=1.0)
+    reg = Registry("openai/gpt-oss-120b", SchedulerTimings())
     reg.register(SiteRegistration("us", "us-west-2", "mi355x", 16, "us:1", "openai/gpt-oss-120b"))
     for i in range(10):
         reg.record_route("us", RouteRequest(f"r{i}", prompt_tokens=10, max_tokens=100), now=1.0)
@@ -130,9 +131,9 @@ def test_a_slow_route_stays_counted_until_its_call_arrives() -> None:
 def test_routes_that_never_arrive_stop_counting() -> None:
     """A route asked again supersedes the one its gateway never sent; a route whose call never
     reached the site (its gateway died on the way) stops counting after the limit."""
-    from scheduler.registry import IN_TRANSIT_LIMIT_S
+    IN_TRANSIT_LIMIT_S = SchedulerTimings().in_transit_limit_s
 
-    reg = Registry("openai/gpt-oss-120b", heartbeat_timeout_s=1.0)
+    reg = Registry("openai/gpt-oss-120b", SchedulerTimings())
     for name, region in (("us", "us-west-2"), ("kr", "ap-northeast-2")):
         reg.register(SiteRegistration(name, region, "mi355x", 16, f"{name}:1", "openai/gpt-oss-120b"))
         reg.apply_report(SiteReport(name, healthy_workers=16, total_workers=16), now=1.0)
@@ -195,7 +196,7 @@ def test_refusals_are_kept_for_the_latest_names_only() -> None:
     and forgets a name's refusal once that site joins."""
     from scheduler.registry import REFUSALS_KEPT
 
-    reg = Registry("openai/gpt-oss-120b", heartbeat_timeout_s=1.0)
+    reg = Registry("openai/gpt-oss-120b", SchedulerTimings())
     for i in range(REFUSALS_KEPT + 10):
         try:
             reg.register(SiteRegistration(f"s{i}", "r", "mi355x", 8, "x:1", "other/model"))

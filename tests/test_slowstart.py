@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from core.settings import SchedulerTimings
 from core.wire import SiteRegistration, SiteReport
 from scheduler.registry import Registry
 from scheduler.slowstart import SlowStart
@@ -50,7 +51,7 @@ def test_a_site_that_does_not_say_its_slots_is_not_limited() -> None:
 def test_only_a_site_joining_a_serving_federation_starts_slow() -> None:
     """Sites that register while nothing is served (a fresh federation) are not limited; one
     that joins while another site has work is."""
-    reg = Registry(MODEL, heartbeat_timeout_s=1.0)
+    reg = Registry(MODEL, SchedulerTimings())
     for name in ("kr", "us"):
         reg.register(SiteRegistration(name, "r", "mi355x", 8, f"{name}:1", MODEL, probe_batch=16))
     assert [s.admit_window for s in reg.states()] == [0, 0]

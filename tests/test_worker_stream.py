@@ -43,7 +43,9 @@ def incremental() -> Iterator[Emulator]:
 
 async def _generate(url: str, *, incremental: bool, payload: dict | None = None) -> Events:
     events = Events()
-    call = await worker_stream.start(url, payload or PAYLOAD, incremental=incremental, on_event=events)
+    call = await worker_stream.start(
+        url, payload or PAYLOAD, incremental=incremental, on_event=events, connect_timeout_s=5.0
+    )
     try:
         async with asyncio.timeout(30):
             await call.done
@@ -78,7 +80,9 @@ async def test_a_refusal_is_the_clients_fault(mi355x: Emulator) -> None:
 async def test_a_closed_port_is_unreachable() -> None:
     """Nothing listening: WorkerUnreachable (another worker may take the request as new)."""
     with pytest.raises(WorkerUnreachable):
-        await worker_stream.start("http://127.0.0.1:9", PAYLOAD, incremental=False, on_event=Events())
+        await worker_stream.start(
+            "http://127.0.0.1:9", PAYLOAD, incremental=False, on_event=Events(), connect_timeout_s=5.0
+        )
 
 
 async def _serve_bytes(reply: bytes, *, close: bool = True) -> tuple[asyncio.AbstractServer, str]:

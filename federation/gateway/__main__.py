@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import structlog
@@ -10,11 +11,11 @@ from aiohttp import web
 
 from core import runtime, tokens
 from core.policy import POLICIES
+from core.settings import GatewayTimings, from_json
 from federation.gateway.app import GatewayConfig, build_app
-from federation.gateway.failover import RETRY_BUDGET_S, FailoverConfig
+from federation.gateway.failover import FailoverConfig
 
 log = structlog.get_logger("gateway")
-SHUTDOWN_GRACE_S = 5.0  # open streams get this long at shutdown (fedctl waits 10 s)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -36,8 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--retry-budget-s",
         type=runtime.positive_float,
-        default=RETRY_BUDGET_S,
-        help="how long a request may wait for another site after a failure",
+        default=None,
+        help="how long a request may wait for another site after a failure (default: the timings', 30 s)",
     )
     p.add_argument("--no-resume", action="store_true", help="fail a stream cut mid-answer instead of resuming it")
     p.add_argument("--policy", choices=sorted(POLICIES), default="least_expected_delay", help="for degraded mode")
@@ -49,12 +50,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="REGION:REGION=MS, repeatable: the schedulers' round trips, for decisions made here "
         "(degraded mode, held requests)",
     )
-    return p.parse_args(argv)
+    p.add_argument("--timings", default="{}", help="JSON: GatewayTimings fields to override (core/settings.py)")
+    args = p.parse_args(argv)
+    try:
+        args.timings = from_json(GatewayTimings, args.timings)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.retry_budget_s is not None:
+        args.timings = dataclasses.replace(args.timings, retry_budget_s=args.retry_budget_s)
+    return args
 
 
 async def serve(args: argparse.Namespace) -> int:
     tokens.count("warm up")  # load the tokenizer before the first request pays for it
-    failover = FailoverConfig(retry_budget_s=args.retry_budget_s, resume=not args.no_resume)
+    failover = FailoverConfig(retry_budget_s=args.timings.retry_budget_s, resume=not args.no_resume)
     config = GatewayConfig(
         tuple(args.scheduler),
         args.model,
@@ -63,10 +72,13 @@ async def serve(args: argparse.Namespace) -> int:
         failover=failover,
         policy=args.policy,
         rtt_s=runtime.rtt_map(args.rtt_ms),
+        timings=args.timings,
     )
     app = build_app(config)
     # Cancel a handler when its client disconnects, so the site's work is aborted too.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=args.timings.shutdown_grace_s
+    )
     await runner.setup()
     try:
         await web.TCPSite(

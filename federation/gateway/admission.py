@@ -30,7 +30,6 @@ from core import wire
 from core.errors import BadRequest, TooBusy
 from federation.gateway.schedulers import Schedulers
 
-HOLD_CHECK_S = 0.1  # with no new state (a scheduler lost), the queue's head is weighed this often
 BUDGET_HEADER = "X-TTFT-Budget-Ms"
 
 
@@ -56,6 +55,8 @@ class _Held:
 
 class Admission:
     def __init__(self, schedulers: Schedulers, max_held: int) -> None:
+        # with no new state (a scheduler lost), the queue's head is weighed this often
+        self._check_s = schedulers.timings.hold_check_s
         self.schedulers = schedulers
         self.max_held = max_held
         self._queue: collections.deque[_Held] = collections.deque()
@@ -77,7 +78,7 @@ class Admission:
         if best.expected_delay_s <= left:  # even past held ones: theirs may be a far region's, or a tight budget
             return await self.schedulers.route(req)
         retry_after = max(1, math.ceil(best.expected_delay_s))
-        if left <= HOLD_CHECK_S / 2:
+        if left <= self._check_s / 2:
             raise TooBusy(
                 f"No site can start this request within its TTFT budget ({budget * 1000:.0f} ms): "
                 f"the soonest is {best.expected_delay_s * 1000:.0f} ms away.",
@@ -109,7 +110,7 @@ class Admission:
     async def _release_forever(self) -> None:
         """While requests are held: at each new state, release the heads that fit, in order."""
         while self._queue:
-            await self.schedulers.state_changed(HOLD_CHECK_S)
+            await self.schedulers.state_changed(self._check_s)
             now = time.monotonic()
             while self._queue:
                 head = self._queue[0]

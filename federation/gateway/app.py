@@ -24,6 +24,7 @@ from aiohttp import web
 
 from core import wire
 from core.errors import BadRequest, FederationError, TooBusy
+from core.settings import GatewayTimings
 from federation.gateway import admission, jobs, metrics
 from federation.gateway.admission import Admission
 from federation.gateway.failover import FailoverConfig, Generation, SiteBreakers
@@ -46,6 +47,7 @@ class GatewayConfig:
     failover: FailoverConfig = field(default_factory=FailoverConfig)
     policy: str = "least_expected_delay"  # what degraded mode decides with
     rtt_s: dict[tuple[str, str], float] = field(default_factory=dict)  # and the round trips it weighs
+    timings: GatewayTimings = GatewayTimings()
 
 
 CONFIG_KEY = web.AppKey("config", GatewayConfig)
@@ -223,8 +225,8 @@ def build_app(config: GatewayConfig) -> web.Application:
     app[CONFIG_KEY] = config
 
     async def upstream_ctx(app: web.Application):
-        app[UPSTREAM_KEY] = Upstream()
-        app[SCHEDULERS_KEY] = Schedulers(list(config.scheduler_addresses), config.policy, config.rtt_s)
+        app[UPSTREAM_KEY] = Upstream(config.timings)
+        app[SCHEDULERS_KEY] = Schedulers(list(config.scheduler_addresses), config.policy, config.rtt_s, config.timings)
         app[SCHEDULERS_KEY].start()
         app[ADMISSION_KEY] = admission.Admission(app[SCHEDULERS_KEY], config.max_held)
         app[BREAKERS_KEY] = SiteBreakers()

@@ -28,6 +28,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 
 from core import tokens, wire
 from core.errors import NoCapacity, SiteWorkerFailed, UpstreamFailed
+from core.settings import GatewayTimings
 from federation.gateway import metrics
 from federation.gateway.jobs import Job
 from federation.gateway.schedulers import Schedulers
@@ -43,12 +44,11 @@ STRUCTURED_OUTPUT_PARAMS = ("json_schema", "regex", "ebnf")
 # long enough to ride out a site's loss and the schedulers noticing it (~1 s), and a restart.
 # The time a site held it before failing (queued behind thousands, it may be minutes) is not
 # looking: a request whose worker died after it had waited 40 s still gets its retries.
-RETRY_BUDGET_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
 class FailoverConfig:
-    retry_budget_s: float = RETRY_BUDGET_S
+    retry_budget_s: float = GatewayTimings().retry_budget_s
     resume: bool = True  # continue a stream cut mid-answer on another site
     max_resumes: int = 4  # per request: a request that breaks every site it lands on is the problem
 

@@ -24,6 +24,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_r
 from core import runtime, wire
 from core.errors import NoCapacity
 from core.policy import POLICIES, RouteContext, SiteLoad
+from core.settings import GatewayTimings
 from core.work import expected_output_tokens
 from federation.gateway import metrics
 
@@ -31,22 +32,16 @@ log = structlog.get_logger("gateway")
 
 # A decision takes the scheduler milliseconds, but an Offline burst (~24 k requests at once)
 # keeps the gateway's own loop busy for seconds before it reads the answer: each attempt
-# gets this long, and a round in which no replica answered in time is retried, with jitter,
-# for up to ROUTE_BUDGET_S.
-ROUTE_TIMEOUT_S = 10.0
-ROUTE_BUDGET_S = 30.0
+# gets `route_timeout_s`, and a round in which no replica answered in time is retried, with
+# jitter, for up to `route_budget_s` (GatewayTimings).
 # A replica that refuses connections is dead, and one whose packets are dropped looks the
 # same once a keepalive ping goes unanswered (UNAVAILABLE within two keepalive periods) or an
 # attempt runs out of time: the next replica is asked at once, and when none answers the
 # gateway routes from the last state (degraded mode).
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-WATCH_INTERVAL_S = 0.1  # state pushed this often: a site down is known here within ~0.1 s of the scheduler
-# A watched replica that sends nothing this long is cut off (its packets dropped, not refused):
-# the watch moves to the next, and routes skip it until it is watched again.
-WATCH_SILENCE_S = 1.0
-LOOP_STALL_S = 0.25  # a wait ending this late means this loop was stalled, not the replica silent
-WATCH_RETRY_S = 0.2  # after losing every replica, try them again this often
-STATE_TIMEOUT_S = 2.0
+# State is pushed every `state_push_s`: a site down is known here within ~0.1 s of the scheduler.
+# A watched replica that sends nothing for `watch_silence_s` is cut off (its packets dropped,
+# not refused): the watch moves to the next, and routes skip it until it is watched again.
 
 
 class RoundTimedOut(Exception):
@@ -59,10 +54,12 @@ class Schedulers:
         addresses: list[str],
         policy: str = "least_expected_delay",
         rtt_s: Mapping[tuple[str, str], float] | None = None,
+        timings: GatewayTimings = GatewayTimings(),
     ) -> None:
         if not addresses:
             raise ValueError("at least one scheduler address is needed")
         self.addresses = list(addresses)
+        self.timings = timings
         options = runtime.GRPC_KEEPALIVE_OPTIONS + runtime.GRPC_CHANNEL_OPTIONS  # a blackholed replica is found
         self._channels = [grpc.aio.insecure_channel(a, options=options) for a in self.addresses]
         self._stubs = [wire.SchedulerStub(c) for c in self._channels]
@@ -101,7 +98,7 @@ class Schedulers:
         retrying = AsyncRetrying(
             retry=retry_if_exception(lambda e: isinstance(e, RoundTimedOut)),
             wait=wait_random_exponential(multiplier=0.05, max=2.0),
-            stop=stop_after_delay(ROUTE_BUDGET_S),
+            stop=stop_after_delay(self.timings.route_budget_s),
             reraise=True,
         )
         try:
@@ -109,7 +106,7 @@ class Schedulers:
         except grpc.aio.AioRpcError as exc:
             raise NoCapacity(f"no site available: {exc.details() or exc.code().name}") from None
         except RoundTimedOut:
-            raise NoCapacity(f"no scheduler replica decided within {ROUTE_BUDGET_S:.0f} s") from None
+            raise NoCapacity(f"no scheduler replica decided within {self.timings.route_budget_s:.0f} s") from None
 
     async def _route_on_any(self, req: wire.RouteRequest) -> wire.RouteDecision:
         """The first replica not known to be cut off that answers; the last state when none does
@@ -125,7 +122,7 @@ class Schedulers:
                 continue
             calls.inc()
             try:
-                pb = await self._stubs[index].Route(message, timeout=ROUTE_TIMEOUT_S, metadata=metadata)
+                pb = await self._stubs[index].Route(message, timeout=self.timings.route_timeout_s, metadata=metadata)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in FAILOVER_CODES:
                     raise
@@ -195,7 +192,7 @@ class Schedulers:
         """The state from the first replica that answers."""
         for stub in self._stubs:
             try:
-                pb = await stub.GetState(wire.state_request_to_pb(), timeout=STATE_TIMEOUT_S)
+                pb = await stub.GetState(wire.state_request_to_pb(), timeout=self.timings.state_timeout_s)
             except grpc.aio.AioRpcError:
                 continue
             return wire.federation_state_from_pb(pb)
@@ -215,25 +212,25 @@ class Schedulers:
             if self.watching is not None:
                 log.warning("scheduler.degraded", reason="no scheduler replica reachable")
                 self.watching = None
-            await asyncio.sleep(WATCH_RETRY_S)
+            await asyncio.sleep(self.timings.watch_retry_s)
 
     async def _watch_one(self, index: int) -> None:
-        """Read one replica's pushed state until it fails or falls silent for WATCH_SILENCE_S.
+        """Read one replica's pushed state until it fails or falls silent for `watch_silence_s`.
         Silence while this loop itself was stalled (an Offline burst, a long collection) is not
-        the replica's: a wait that ends LOOP_STALL_S late starts over instead."""
-        call = self._stubs[index].WatchState(wire.state_request_to_pb(WATCH_INTERVAL_S))
+        the replica's: a wait that ends `loop_stall_s` late starts over instead."""
+        call = self._stubs[index].WatchState(wire.state_request_to_pb(self.timings.state_push_s))
         loop = asyncio.get_running_loop()
         read: asyncio.Future | None = None
         try:
             while True:
                 read = asyncio.ensure_future(call.read())
-                due = loop.time() + WATCH_SILENCE_S
+                due = loop.time() + self.timings.watch_silence_s
                 while not read.done():
                     await asyncio.wait({read}, timeout=max(0.0, due - loop.time()))
                     if not read.done() and loop.time() >= due:
-                        if loop.time() - due < LOOP_STALL_S:
+                        if loop.time() - due < self.timings.loop_stall_s:
                             raise TimeoutError
-                        due = loop.time() + WATCH_SILENCE_S
+                        due = loop.time() + self.timings.watch_silence_s
                 pb = read.result()
                 if pb is grpc.aio.EOF:
                     return

@@ -24,14 +24,12 @@ import structlog
 
 from core import runtime, wire
 from core.errors import BadRequest, FederationError, SiteWorkerFailed, UpstreamFailed
+from core.settings import GatewayTimings
 
 log = structlog.get_logger("gateway")
 
 # The agent bounds its own waits on the worker (30 min to the first token, 60 s between
 # events); these are a little longer, so the agent's clearer error arrives first.
-FIRST_CHUNK_TIMEOUT_S = 1900.0
-BETWEEN_CHUNKS_TIMEOUT_S = 90.0
-WATCH_INTERVAL_S = 1.0  # how often the streams' waits are checked
 # The reader lets other work (Route answers, new requests) run after this many deltas: a batch
 # from a busy site holds thousands, and handing them out is the loop's biggest single job.
 DELTAS_PER_TURN = 64
@@ -203,8 +201,9 @@ class SiteLink:
     """One agent: its channel, kept for the gateway's life, and its current Generate call
     (opened when first needed, and again after one broke)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, timings: GatewayTimings) -> None:
         self.address = address
+        self._timings = timings
         options = runtime.GRPC_KEEPALIVE_OPTIONS + runtime.GRPC_CHANNEL_OPTIONS  # a blackholed site is found
         self._channel = grpc.aio.insecure_channel(address, options=options)
         self._stub = wire.SiteAgentStub(self._channel)
@@ -225,7 +224,8 @@ class SiteLink:
         call = self._call
         for stream in list(call.streams.values()) if call is not None else ():
             waited = now - stream.last_at
-            limit_s = BETWEEN_CHUNKS_TIMEOUT_S if stream.first.done() else FIRST_CHUNK_TIMEOUT_S
+            timings = self._timings
+            limit_s = timings.between_chunks_timeout_s if stream.first.done() else timings.first_chunk_timeout_s
             if waited > limit_s:
                 stream.fail(UpstreamFailed(f"site at {self.address} sent nothing for {limit_s:.0f} s"))
         retired, self._retired = self._retired, set()
@@ -241,7 +241,8 @@ class SiteLink:
 class Upstream:
     """The sites' agents, one link per address, kept for the gateway's life."""
 
-    def __init__(self) -> None:
+    def __init__(self, timings: GatewayTimings = GatewayTimings()) -> None:
+        self._timings = timings
         self._links: dict[str, SiteLink] = {}
         self._numbers = itertools.count(1)
         self._watch = asyncio.ensure_future(self._watch_forever())
@@ -251,12 +252,12 @@ class Upstream:
         Close the stream when done with it (that cancels it at the agent if it still runs)."""
         link = self._links.get(address)
         if link is None:
-            link = self._links[address] = SiteLink(address)
+            link = self._links[address] = SiteLink(address, self._timings)
         return link.start(next(self._numbers), request, deliver)
 
     async def _watch_forever(self) -> None:
         while True:
-            await asyncio.sleep(WATCH_INTERVAL_S)
+            await asyncio.sleep(self._timings.stream_check_s)
             now = time.monotonic()
             for link in list(self._links.values()):
                 try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import sys
 
@@ -23,16 +24,15 @@ import structlog
 
 from core import runtime, wire
 from core.config import JOIN_TOKEN_ENV
+from core.settings import AgentTimings, from_json
 from nodes.agent import calibrate
 from nodes.agent.join import JoinGate
 from nodes.agent.pool import WorkerPool
-from nodes.agent.relay import COALESCE_S
 from nodes.agent.reporter import ReportFeed
 from nodes.agent.service import SiteAgentService
 from nodes.emulator.launch import EmulatorProcess, launch
 
 log = structlog.get_logger("agent")
-GRACE_S = 2.0
 WORKER_HTTP_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)  # answers may take minutes
 # SGLang's default stream repeats the whole answer in every event: a 100 k-token answer is ~1 MB a line.
 CUMULATIVE_EVENT_BYTES = 8 * 1024**2
@@ -62,9 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--coalesce-ms",
         type=runtime.positive_float,
-        default=COALESCE_S * 1000,
+        default=None,
         help="how long a stream's tokens gather before they go to the gateway: the cadence of the chunks "
-        "clients see (the first token and the end go at once; see nodes/agent/relay.py)",
+        "clients see (default 100 ms; the first token and the end go at once; see nodes/agent/relay.py)",
     )
     p.add_argument("--speed", type=float, default=1.0, help="emulated GPU speed (with --emulate)")
     p.add_argument("--emulator-port", type=int, default=None, help="first worker port (with --emulate)")
@@ -74,9 +74,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="decode steps between a stream's events, as SGLang's --stream-interval (with --emulate)",
     )
+    p.add_argument("--timings", default="{}", help="JSON: AgentTimings fields to override (core/settings.py)")
     args = p.parse_args(argv)
     if args.gpus < 1:
         p.error("--gpus must be >= 1")
+    try:
+        args.timings = from_json(AgentTimings, args.timings)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.coalesce_ms is not None:
+        args.timings = dataclasses.replace(args.timings, coalesce_s=args.coalesce_ms / 1000)
     return args
 
 
@@ -111,12 +118,12 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohttp.ClientSession) -> int:
-    pool = WorkerPool(urls, session)
+    pool = WorkerPool(urls, session, args.timings)
     await pool.check_all()
     address = f"{args.host}:{args.port}"
     credential = os.environ.get(JOIN_TOKEN_ENV, "")
     gate = JoinGate(args.site, args.region, args.gpu, args.gpus, credential, args.scheduler or [])
-    service = SiteAgentService(args.site, pool, session, gate, args.advertise or address, args.coalesce_ms / 1000)
+    service = SiteAgentService(args.site, pool, session, gate, args.advertise or address)
     server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
     wire.add_site_agent_to_server(service, server)
     try:
@@ -138,7 +145,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     reporter: ReportFeed | None = None
     if not stop.done():
         reporter = ReportFeed(
-            await _registration(args, pool, service.address, *served), service.next_report, credential
+            await _registration(args, pool, service.address, *served), service.next_report, credential, args.timings
         )
         reporter.start(list(gate.schedulers.result()))
         if not waits:  # ready once probed and reporting, as it was started to be
@@ -152,7 +159,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     await asyncio.gather(*tasks, stop, return_exceptions=True)
     if reporter is not None:
         await asyncio.to_thread(reporter.stop)
-    await server.stop(GRACE_S)
+    await server.stop(args.timings.shutdown_grace_s)
     await service.close()
     return 0 if stopped else 1
 

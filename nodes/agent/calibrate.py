@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from core.settings import AgentTimings
 from nodes.agent import sglang, worker_stream
 from nodes.agent.pool import Worker, WorkerPool
 
@@ -26,7 +27,6 @@ PROBE_BATCH = 16  # requests per worker: a batch big enough that the step is not
 PROBE_PROMPT_TOKENS = 256
 PROBE_OUTPUT_TOKENS = 64
 PROBE_TOKEN_ID = 1000  # an ordinary o200k token: the prompt is that token repeated
-PROBE_TIMEOUT_S = 120.0  # a worker too slow to finish the probe in this long is left out
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +39,7 @@ class ProbeResult:
     tok_s: float
 
 
-async def _one(worker: Worker) -> float | None:
+async def _one(worker: Worker, timings: AgentTimings) -> float | None:
     """Seconds per output token of one probe request (first token to last), None if it failed."""
     payload = {
         "rid": "fed-probe-" + uuid.uuid4().hex,
@@ -57,8 +57,14 @@ async def _one(worker: Worker) -> float | None:
 
     call = None
     try:
-        async with asyncio.timeout(PROBE_TIMEOUT_S):
-            call = await worker_stream.start(worker.url, payload, incremental=worker.incremental, on_event=on_event)
+        async with asyncio.timeout(timings.probe_timeout_s):
+            call = await worker_stream.start(
+                worker.url,
+                payload,
+                incremental=worker.incremental,
+                on_event=on_event,
+                connect_timeout_s=timings.connect_timeout_s,
+            )
             await call.done
     except (sglang.WorkerFailed, sglang.WorkerRejected, TimeoutError) as exc:
         log.warning("calibrate.request_failed", worker=worker.url, error=str(exc) or "timed out")
@@ -77,7 +83,7 @@ async def probe(pool: WorkerPool) -> ProbeResult | None:
     per_worker = []
     for worker, tpots in zip(
         workers,
-        await asyncio.gather(*(asyncio.gather(*(_one(w) for _ in range(PROBE_BATCH))) for w in workers)),
+        await asyncio.gather(*(asyncio.gather(*(_one(w, pool.timings) for _ in range(PROBE_BATCH))) for w in workers)),
         strict=True,
     ):
         done = [t for t in tpots if t is not None]

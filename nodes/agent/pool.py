@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 import aiohttp
 import structlog
 
+from core.settings import AgentTimings
 from nodes.agent import sglang
 from nodes.agent.sglang import WorkerInfo, WorkerStats
 
 log = structlog.get_logger("agent.pool")
 
-HEALTH_INTERVAL_S = 1.0  # how often each worker is checked
-HEALTH_TIMEOUT_S = 5.0  # SGLang's /health runs a 1-token generation: slow under load, not dead
 FAILURES_TO_UNHEALTHY = 2  # one missed check is noise; two in a row is a sick worker
 # Requests a worker holds beyond its running limit: enough that a freed slot is refilled at
 # its next step, without waiting for the agent to hear of it and send another.
@@ -61,9 +60,10 @@ class NoHealthyWorker(Exception):
 
 
 class WorkerPool:
-    def __init__(self, urls: list[str], session: aiohttp.ClientSession) -> None:
+    def __init__(self, urls: list[str], session: aiohttp.ClientSession, timings: AgentTimings = AgentTimings()) -> None:
         self.workers = [Worker(url) for url in urls]
         self.session = session
+        self.timings = timings  # the site's, shared with whoever calls the workers
         self._waiters: collections.deque[asyncio.Future[Worker]] = collections.deque()
         # Prompt and output tokens of the requests the workers finished, since the agent started.
         self.finished_prompt_tokens = 0.0
@@ -132,7 +132,7 @@ class WorkerPool:
 
     async def _watch(self, worker: Worker) -> None:
         while True:
-            await asyncio.sleep(HEALTH_INTERVAL_S)
+            await asyncio.sleep(self.timings.health_interval_s)
             try:
                 await self._check(worker)
             except Exception:  # a bug in one check must not end health checking
@@ -140,10 +140,10 @@ class WorkerPool:
 
     async def _check(self, worker: Worker) -> None:
         if worker.info is None:
-            worker.info = await sglang.server_info(self.session, worker.url, HEALTH_TIMEOUT_S)
+            worker.info = await sglang.server_info(self.session, worker.url, self.timings.health_timeout_s)
         health, stats = await asyncio.gather(
-            sglang.health(self.session, worker.url, HEALTH_TIMEOUT_S),
-            sglang.scrape(self.session, worker.url, HEALTH_TIMEOUT_S),
+            sglang.health(self.session, worker.url, self.timings.health_timeout_s),
+            sglang.scrape(self.session, worker.url, self.timings.health_timeout_s),
         )
         if stats is not None:
             self._count_finished(worker.stats, stats)

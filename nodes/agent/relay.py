@@ -5,8 +5,8 @@ per event (or per stream per window) would cost more than the GPUs' tokens are w
 generation's new tokens wait in its `Relayed` record instead, and a flush sends every waiting
 record's tokens as one `TokenBatch`, whatever the number of generations:
 
-- on a tick every COALESCE_S while tokens wait: a token waits at most COALESCE_S, so while tokens
-  flow a client sees a chunk every COALESCE_S, carrying every token of that tick (a token after
+- on a tick every `coalesce_s` (AgentTimings) while tokens wait: a token waits at most that, so
+  while tokens flow a client sees a chunk every `coalesce_s`, carrying every token of that tick (a token after
   a longer silence goes at once: its gap is already long);
 - at once (on the loop's next turn, gathering what that turn brought) for a generation's first
   token, its end or its failure, and for every event of a generation that asked for each event
@@ -26,10 +26,10 @@ from typing import Any
 
 from core import wire
 
-# The longest a token waits at the agent while its stream flows: the cadence of the chunks a
-# client sees. At MLPerf's TPOT (~70-80 ms) a chunk then carries one or two tokens; the gateway's
-# cost is per chunk (a socket write per client), so a shorter tick costs more CPU per token.
-COALESCE_S = 0.1
+# The longest a token waits at the agent while its stream flows (`coalesce_s`, 100 ms) is the
+# cadence of the chunks a client sees. At MLPerf's TPOT (~70-80 ms) a chunk then carries one or
+# two tokens; the gateway's cost is per chunk (a socket write per client), so a shorter tick
+# costs more CPU per token.
 # One message at most this big: a flush of thousands of streams goes as several, with the loop free
 # between them for new requests (gRPC's default receive limit is 4 MB).
 MAX_BATCH_BYTES = 64 * 1024
@@ -110,7 +110,7 @@ class RelayCall:
     """The sending side of one Generate call: which records wait, when they are flushed.
     `on_sent(record, tokens)` hears of the output tokens each delta carried."""
 
-    def __init__(self, write, on_sent: Callable[[Relayed, int], None], coalesce_s: float = COALESCE_S) -> None:
+    def __init__(self, write, on_sent: Callable[[Relayed, int], None], coalesce_s: float) -> None:
         self._write = write  # the call's context.write
         self._on_sent = on_sent
         self._coalesce_s = coalesce_s

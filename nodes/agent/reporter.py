@@ -34,21 +34,16 @@ import structlog
 
 from core import logs, runtime, wire
 from core.credential import bearer
+from core.settings import AgentTimings
 
 log = structlog.get_logger("agent.reporter")
 
-RECONNECT_BASE_S = 0.2
-RECONNECT_MAX_S = 1.0  # a site back from a partition rejoins within a second (registering is cheap)
-REGISTER_TIMEOUT_S = 5.0
-LOOP_TICK_S = 0.1  # how often the agent's loop hands over a snapshot of its load
-LATE_REPORT_S = 0.75  # a gap this long between reports risks the scheduler's 1 s heartbeat
-# A loop busy this long is hung, not busy: the longest stall seen under a 24 k-request burst
-# on two cores was ~2 s.
-LOOP_STALL_LIMIT_S = 5.0
+# The reporter's waits are AgentTimings'. A loop busy `loop_stall_limit_s` (5 s) is hung, not
+# busy: the longest stall seen under a 24 k-request burst on two cores was ~2 s.
 STOP_TIMEOUT_S = 5.0
 # Request ids waiting for a reporter that does not read (each snapshot carries the calls taken
 # since the one before): beyond this the oldest are dropped; the schedulers forget routes never
-# acknowledged after a while anyway (scheduler.registry IN_TRANSIT_LIMIT_S).
+# acknowledged after a while anyway (SchedulerTimings.in_transit_limit_s).
 MAX_PENDING_IDS = 100_000
 
 
@@ -56,9 +51,14 @@ class ReportFeed:
     """The agent's side: starts the reporter process and feeds it snapshots of the load."""
 
     def __init__(
-        self, registration: wire.SiteRegistration, make_report: Callable[[], wire.SiteReport], credential: str = ""
+        self,
+        registration: wire.SiteRegistration,
+        make_report: Callable[[], wire.SiteReport],
+        credential: str = "",
+        timings: AgentTimings = AgentTimings(),
     ) -> None:
         self.registration = registration
+        self.timings = timings
         self.make_report = make_report
         self.credential = credential
         self._conn: Connection | None = None
@@ -74,7 +74,7 @@ class ReportFeed:
         receiver, self._conn = context.Pipe(duplex=False)
         self._process = context.Process(
             target=_reporter_main,
-            args=(self.registration, scheduler_addresses, self.credential, receiver),
+            args=(self.registration, scheduler_addresses, self.credential, self.timings, receiver),
             name=f"reporter {self.registration.name}",
             daemon=True,
         )
@@ -89,7 +89,7 @@ class ReportFeed:
         assert self._conn is not None, "start() first"
         while not self._dead.is_set():
             self._offer(self.make_report())
-            await asyncio.sleep(LOOP_TICK_S)
+            await asyncio.sleep(self.timings.loop_tick_s)
         log.error("reporter.died", site=self.registration.name)
 
     def _offer(self, report: wire.SiteReport) -> None:
@@ -136,7 +136,8 @@ class Snapshots:
     each replica reported to, the calls taken since its last report (each snapshot carries
     only those since the one before, and every replica must hear of every call)."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, stall_limit_s: float) -> None:
+        self.stall_limit_s = stall_limit_s
         self.conn = conn
         self.latest: wire.SiteReport | None = None
         self.received_at = time.monotonic()
@@ -178,17 +179,21 @@ class Snapshots:
 
     @property
     def stalled(self) -> bool:
-        return time.monotonic() - self.received_at > LOOP_STALL_LIMIT_S
+        return time.monotonic() - self.received_at > self.stall_limit_s
 
 
 def _reporter_main(
-    registration: wire.SiteRegistration, scheduler_addresses: list[str], credential: str, conn: Connection
+    registration: wire.SiteRegistration,
+    scheduler_addresses: list[str],
+    credential: str,
+    timings: AgentTimings,
+    conn: Connection,
 ) -> None:
     """The reporter process: report to every replica until the agent closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops the agent, and the agent stops us
     logs.configure()
-    snapshots = Snapshots(conn)
-    reporter = Reporter(registration, snapshots, credential)
+    snapshots = Snapshots(conn, timings.loop_stall_limit_s)
+    reporter = Reporter(registration, snapshots, credential, timings)
     reporter.start(scheduler_addresses)
     snapshots.receive_forever()
     reporter.stop()
@@ -201,7 +206,10 @@ class Reporter:
     every registration until an undrain (a replica that restarted learns it), and a removal
     ends the reports to every replica (one that was down then does not take the site back)."""
 
-    def __init__(self, registration: wire.SiteRegistration, snapshots: Snapshots, credential: str = "") -> None:
+    def __init__(
+        self, registration: wire.SiteRegistration, snapshots: Snapshots, credential: str, timings: AgentTimings
+    ) -> None:
+        self.timings = timings
         self.registration = registration
         self.snapshots = snapshots
         self.metadata = bearer(credential)
@@ -219,7 +227,7 @@ class Reporter:
         self.stop_all()
         for thread in self._threads:
             if thread is not threading.current_thread():
-                thread.join(timeout=RECONNECT_MAX_S)
+                thread.join(timeout=self.timings.reconnect_max_s)
 
     def stop_all(self) -> None:
         """Every replica's thread ends: its stream is cancelled, and it does not register again."""
@@ -239,7 +247,7 @@ class Reporter:
                     registered = wire.registered_from_pb(
                         stub.RegisterSite(
                             wire.registration_to_pb(self.registration),
-                            timeout=REGISTER_TIMEOUT_S,
+                            timeout=self.timings.register_timeout_s,
                             metadata=self.metadata,
                         )
                     )
@@ -276,7 +284,7 @@ class Reporter:
                     self._calls.discard(call)
                     self.snapshots.forget(scheduler_address)
                 attempt += 1
-                delay = min(RECONNECT_MAX_S, RECONNECT_BASE_S * 2**attempt)
+                delay = min(self.timings.reconnect_max_s, self.timings.reconnect_base_s * 2**attempt)
                 self._stop.wait(delay * random.uniform(0.5, 1.0))
 
     def _reports(self, scheduler_address: str, interval_s: float) -> Iterator:
@@ -289,7 +297,7 @@ class Reporter:
             elif (latest := self.snapshots.report_for(scheduler_address)) is not None:
                 report = wire.report_to_pb(latest)
                 now = time.monotonic()
-                if now - sent_at > LATE_REPORT_S:  # gRPC took this long to ask for the next one
+                if now - sent_at > self.timings.late_report_s:  # gRPC took this long to ask for the next one
                     log.warning("reporter.late", gap_s=round(now - sent_at, 2))
                 sent_at = now
                 yield report

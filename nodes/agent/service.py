@@ -22,15 +22,12 @@ from nodes.agent import sglang, worker_stream
 from nodes.agent.delivered import DeliveredRate
 from nodes.agent.join import JoinGate
 from nodes.agent.pool import FAILURES_TO_UNHEALTHY, NoHealthyWorker, Worker, WorkerPool
-from nodes.agent.relay import COALESCE_S, RelayCall, Relayed
+from nodes.agent.relay import RelayCall, Relayed
 
 log = structlog.get_logger("agent")
 
 # An Offline run can queue a request behind thousands at a site: its first token may take
 # many minutes. Once tokens flow, a worker silent for a minute is broken, not busy.
-FIRST_TOKEN_TIMEOUT_S = 1800.0
-BETWEEN_EVENTS_TIMEOUT_S = 60.0
-WATCH_INTERVAL_S = 1.0  # how often the worker calls' waits are checked
 # A request whose worker never answered goes to another, up to this many tries in all (each
 # marks the worker it tried unhealthy until its health check passes).
 CONNECT_ATTEMPTS = 3
@@ -93,10 +90,9 @@ class SiteAgentService(wire.SiteAgentServicer):
         session: aiohttp.ClientSession,
         gate: JoinGate,
         address: str,
-        coalesce_s: float = COALESCE_S,
     ) -> None:
         self.site = site
-        self.coalesce_s = coalesce_s  # how long tokens gather before they go (see relay.py)
+        self.timings = pool.timings
         self.pool = pool
         self.session = session
         self.gate = gate
@@ -110,7 +106,7 @@ class SiteAgentService(wire.SiteAgentServicer):
     async def Generate(self, request_iterator, context) -> None:
         """Starts and cancels generations as the gateway asks, until the call ends; every
         generation still running then is cancelled (the gateway is gone)."""
-        relay = RelayCall(context.write, self._sent, self.coalesce_s)
+        relay = RelayCall(context.write, self._sent, self.timings.coalesce_s)
         writer = asyncio.ensure_future(relay.write_forever())
         running: dict[int, asyncio.Task[None]] = {}
         try:
@@ -182,7 +178,7 @@ class SiteAgentService(wire.SiteAgentServicer):
         while it waits and runs; SiteFailed if the site has no healthy worker or no slot in time."""
         self.ledger.arrive(expected)
         try:
-            async with asyncio.timeout(FIRST_TOKEN_TIMEOUT_S):
+            async with asyncio.timeout(self.timings.first_token_timeout_s):
                 return await self.pool.acquire()
         except BaseException as exc:
             self.ledger.leave(expected)
@@ -209,7 +205,13 @@ class SiteAgentService(wire.SiteAgentServicer):
         call: worker_stream.WorkerCall | None = None
         worker_done = False
         try:
-            call = await worker_stream.start(worker.url, payload, incremental=worker.incremental, on_event=record.event)
+            call = await worker_stream.start(
+                worker.url,
+                payload,
+                incremental=worker.incremental,
+                on_event=record.event,
+                connect_timeout_s=self.timings.connect_timeout_s,
+            )
             self._calls[call] = worker
             await call.done
             worker_done = True
@@ -236,26 +238,26 @@ class SiteAgentService(wire.SiteAgentServicer):
 
     async def watch_calls(self) -> None:
         """Bounds every worker call's waits (one check a second for all of them, not a timer per
-        read): no first event within FIRST_TOKEN_TIMEOUT_S, or none for BETWEEN_EVENTS_TIMEOUT_S
+        read): no first event within `first_token_timeout_s`, or none for `between_events_timeout_s`
         after it, and the worker has failed the request. A worker its health checks gave up on
         (hung: connections open, nothing answers) fails its requests at once, so they go on
         elsewhere instead of waiting out those bounds."""
         while True:
-            await asyncio.sleep(WATCH_INTERVAL_S)
+            await asyncio.sleep(self.timings.call_check_s)
             now = time.monotonic()
             for call, worker in list(self._calls.items()):
                 if worker.failures >= FAILURES_TO_UNHEALTHY:
                     call.fail(sglang.WorkerFailed("the worker stopped answering its health checks"))
                     continue
                 if call.last_event_at is None:
-                    silent_s, limit_s = now - call.started_at, FIRST_TOKEN_TIMEOUT_S
+                    silent_s, limit_s = now - call.started_at, self.timings.first_token_timeout_s
                 else:
-                    silent_s, limit_s = now - call.last_event_at, BETWEEN_EVENTS_TIMEOUT_S
+                    silent_s, limit_s = now - call.last_event_at, self.timings.between_events_timeout_s
                 if silent_s > limit_s:
                     call.fail(sglang.WorkerFailed(f"the worker sent nothing for {limit_s:.0f} s"))
 
     def _abort_soon(self, worker: Worker, rid: str) -> None:
-        task = asyncio.ensure_future(sglang.abort(self.session, worker.url, rid))
+        task = asyncio.ensure_future(sglang.abort(self.session, worker.url, rid, self.timings.abort_timeout_s))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
 

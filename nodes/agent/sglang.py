@@ -69,13 +69,10 @@ def error_message(body: Any) -> str:
     return json.dumps(body)
 
 
-ABORT_TIMEOUT_S = 5.0
-
-
-async def abort(session: aiohttp.ClientSession, url: str, rid: str) -> None:
+async def abort(session: aiohttp.ClientSession, url: str, rid: str, timeout_s: float) -> None:
     """Best effort: the worker also aborts when our connection closes."""
     try:
-        timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with session.post(url + "/abort_request", json={"rid": rid}, timeout=timeout) as resp:
             await resp.read()
     except (aiohttp.ClientError, TimeoutError, RuntimeError):  # RuntimeError: session closed at shutdown

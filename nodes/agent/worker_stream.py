@@ -31,7 +31,6 @@ from nodes.agent.sglang import WorkerFailed, WorkerRejected, WorkerUnreachable, 
 # an event. Anything longer is a broken worker, not an answer.
 MAX_EVENT_BYTES = 8 * 1024**2
 MAX_ERROR_BODY_BYTES = 64 * 1024  # a refusal's body; SGLang's are a few hundred bytes
-CONNECT_TIMEOUT_S = 5.0  # a worker that does not accept a connection in this long is unreachable
 
 # text, new output ids, completion tokens so far, prompt tokens, finish reason (None while running)
 OnEvent = Callable[[str, list[int], int, int, dict[str, Any] | None], None]
@@ -162,7 +161,9 @@ class WorkerCall(asyncio.Protocol):
         self._on_event(text, ids, meta["completion_tokens"], meta.get("prompt_tokens", 0), meta["finish_reason"])
 
 
-async def start(url: str, payload: dict[str, Any], *, incremental: bool, on_event: OnEvent) -> WorkerCall:
+async def start(
+    url: str, payload: dict[str, Any], *, incremental: bool, on_event: OnEvent, connect_timeout_s: float
+) -> WorkerCall:
     """POST `payload` to the worker's /generate as a stream; events go to `on_event` as they
     arrive. Raises WorkerUnreachable if no connection can be made."""
     parts = urlsplit(url)
@@ -176,7 +177,7 @@ async def start(url: str, payload: dict[str, Any], *, incremental: bool, on_even
     call = WorkerCall(head.encode() + body, incremental=incremental, on_event=on_event)
     loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+        async with asyncio.timeout(connect_timeout_s):
             await loop.create_connection(lambda: call, host, port)
     except (OSError, TimeoutError) as exc:
         raise WorkerUnreachable(f"{url}: cannot connect: {type(exc).__name__}: {exc}", connection_lost=True) from None

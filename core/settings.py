@@ -1,0 +1,104 @@
+"""Each component's timing constants in one frozen object (as aiohttp's `ClientTimeout`).
+
+The values are the defaults DESIGN.md's budgets were measured with; the config file may
+override any of them (`timings: {scheduler: {...}, agent: {...}, gateway: {...}}`), and
+`fedctl up` hands each process its section as `--timings JSON`. Unknown names and values that
+are not positive are refused with the field's name (pydantic validates them). The math of the
+capacity estimator (its time constants) stays with the math in `scheduler/capacity.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Annotated, TypeVar
+
+import pydantic
+from pydantic import ConfigDict, Field, Strict
+from pydantic.dataclasses import dataclass
+
+Seconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]  # no "5" for 5, no true for 1
+_STRICT = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True, slots=True, config=_STRICT)
+class SchedulerTimings:
+    report_interval_s: Seconds = 0.25  # agents report this often (told them when they register)
+    heartbeat_timeout_s: Seconds = 1.0  # a site silent this long is down (DESIGN: down within 1 s)
+    expiry_check_s: Seconds = 0.1  # sites' silence is checked this often
+    stall_tolerance_s: Seconds = 0.25  # a check later than this says the scheduler, not the site, was silent
+    in_transit_limit_s: Seconds = 300.0  # a routed request never seen at its site is forgotten after this
+    shutdown_grace_s: Seconds = 2.0  # in-flight RPCs get this long at shutdown
+
+
+@dataclass(frozen=True, slots=True, config=_STRICT)
+class AgentTimings:
+    coalesce_s: Seconds = 0.1  # a stream's tokens wait at most this long to share a message (--coalesce-ms)
+    health_interval_s: Seconds = 1.0  # each worker is checked this often
+    health_timeout_s: Seconds = 5.0  # SGLang's /health runs a 1-token generation: slow under load, not dead
+    connect_timeout_s: Seconds = 5.0  # a worker that does not accept a connection in this long is unreachable
+    first_token_timeout_s: Seconds = 1800.0  # a worker call with no first event in this long has failed
+    between_events_timeout_s: Seconds = 60.0  # and one silent this long between events
+    call_check_s: Seconds = 1.0  # how often the worker calls' waits are checked
+    abort_timeout_s: Seconds = 5.0  # an /abort_request that takes longer is given up
+    probe_timeout_s: Seconds = 120.0  # a worker too slow to finish the calibration probe is left out
+    reconnect_base_s: Seconds = 0.2  # the reporter's first wait before registering again
+    reconnect_max_s: Seconds = 1.0  # and its longest: a site back from a partition rejoins within it
+    register_timeout_s: Seconds = 5.0
+    loop_tick_s: Seconds = 0.1  # the agent's loop hands its load to the reporter this often
+    late_report_s: Seconds = 0.75  # a gap this long between reports is logged (the heartbeat is 1 s)
+    loop_stall_limit_s: Seconds = 5.0  # a loop silent this long is stuck: the reporter stops, the site goes down
+    shutdown_grace_s: Seconds = 2.0  # in-flight RPCs get this long at shutdown
+
+
+@dataclass(frozen=True, slots=True, config=_STRICT)
+class GatewayTimings:
+    route_timeout_s: Seconds = 10.0  # one Route attempt (a burst keeps this loop busy for seconds)
+    route_budget_s: Seconds = 30.0  # rounds of attempts, with jitter, for up to this long
+    state_push_s: Seconds = 0.1  # the replicas push their state this often
+    watch_silence_s: Seconds = 1.0  # a watched replica silent this long is cut off (dropped packets)
+    loop_stall_s: Seconds = 0.25  # a wait ending this late means this loop stalled, not the replica
+    watch_retry_s: Seconds = 0.2  # after losing every replica, they are tried again this often
+    state_timeout_s: Seconds = 2.0  # one GetState
+    retry_budget_s: Seconds = 30.0  # a request is retried (or resumed) on other sites for up to this long
+    first_chunk_timeout_s: Seconds = 1900.0  # a site stream with no first chunk in this long has failed
+    between_chunks_timeout_s: Seconds = 90.0  # and one silent this long between chunks
+    stream_check_s: Seconds = 1.0  # how often the site streams' waits are checked
+    hold_check_s: Seconds = 0.1  # with no new state, the hold queue's head is weighed this often
+    shutdown_grace_s: Seconds = 5.0  # open streams get this long at shutdown (fedctl waits 10 s)
+
+
+@dataclass(frozen=True, slots=True, config=_STRICT)
+class Timings:
+    """The config file's `timings:` section: each component's, every field optional."""
+
+    scheduler: SchedulerTimings = Field(default_factory=SchedulerTimings)
+    agent: AgentTimings = Field(default_factory=AgentTimings)
+    gateway: GatewayTimings = Field(default_factory=GatewayTimings)
+
+
+T = TypeVar("T")
+
+
+def from_json(kind: type[T], text: str) -> T:
+    """A component's timings from `--timings JSON`; ValueError naming the bad field."""
+    try:
+        return kind(**json.loads(text))
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise ValueError(f"--timings must be a JSON object of {kind.__name__} fields: {exc}") from None
+    except pydantic.ValidationError as exc:
+        raise ValueError(describe(exc, "--timings")) from None
+
+
+def to_json(timings: object) -> str:
+    return json.dumps(dataclasses.asdict(timings))  # type: ignore[call-overload]
+
+
+def describe(exc: pydantic.ValidationError, source: str) -> str:
+    """One line naming each field that is wrong as the file spells it (`sites[0].gpus: ...`)."""
+    problems = []
+    for error in exc.errors(include_url=False):
+        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
+        message = error["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}: {message}" if where else message)
+    return f"{source}: " + "; ".join(problems)

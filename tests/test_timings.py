@@ -1,0 +1,57 @@
+"""Each component's waits come from one frozen settings object, set from the config file's
+`timings:` section: a process started with other timings behaves by them, and a wrong one is
+refused at start with the field named."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+
+from core import wire
+from core.config import parse
+from core.processes import PROJECT_ROOT, free_port_block, start_python
+from core.settings import SchedulerTimings, to_json
+from federation.embedded import _timings_args
+
+
+def test_a_scheduler_tells_sites_the_report_interval_it_was_given() -> None:
+    """The scheduler's report interval (what a registering site is told) is its timings'."""
+    port = free_port_block(1)
+    timings = SchedulerTimings(report_interval_s=0.4, heartbeat_timeout_s=1.6)
+    scheduler = start_python("scheduler", "scheduler", ["--port", str(port), "--timings", to_json(timings)])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            registration = wire.SiteRegistration("s", "r", "mi300x", 1, "127.0.0.1:9", "openai/gpt-oss-120b")
+            answer = wire.SchedulerStub(channel).RegisterSite(wire.registration_to_pb(registration), timeout=10)
+        assert answer.report_interval_s == 0.4
+    finally:
+        scheduler.stop(10)
+
+
+def test_a_wrong_timing_is_refused_at_start_with_its_name() -> None:
+    cases = [
+        (
+            ["scheduler", "--timings", '{"heartbeat_timeout_s": -1}'],
+            "heartbeat_timeout_s: Input should be greater than 0",
+        ),
+        (["federation.gateway", "--scheduler", "127.0.0.1:1", "--timings", '{"route_timout_s": 1}'], "route_timout_s"),
+    ]
+    for (module, *args), message in cases:
+        done = subprocess.run(
+            [sys.executable, "-m", module, *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_config_file_sets_what_each_process_is_started_with() -> None:
+    """Only a component whose timings the file changes gets `--timings`, with every field."""
+    config = parse(
+        "gateway: {region: r}\ntimings: {agent: {coalesce_s: 0.05}}\n"
+        "sites: [{name: a, region: r, gpu: mi300x, gpus: 1, agent_port: 9000}]"
+    )
+    assert _timings_args(config.timings.gateway) == [] and _timings_args(config.timings.scheduler) == []
+    flag, value = _timings_args(config.timings.agent)
+    assert flag == "--timings" and '"coalesce_s": 0.05' in value and '"health_interval_s": 1.0' in value
