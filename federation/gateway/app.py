@@ -28,9 +28,8 @@ from core.settings import GatewayTimings
 from federation.gateway import admission, jobs, metrics
 from federation.gateway.admission import Admission
 from federation.gateway.failover import FailoverConfig, Generation, SiteBreakers
-from federation.gateway.responses import Answer, sse
+from federation.gateway.responses import Answer, Collected, SseClient, WriteBatch, sse
 from federation.gateway.schedulers import Schedulers
-from federation.gateway.sse import Collected, SseClient, WriteBatch
 from federation.gateway.upstream import Upstream
 
 log = structlog.get_logger("gateway")
