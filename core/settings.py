@@ -64,6 +64,7 @@ class GatewayTimings:
     first_chunk_timeout_s: Seconds = 1900.0  # a site stream with no first chunk in this long has failed
     between_chunks_timeout_s: Seconds = 90.0  # and one silent this long between chunks
     stream_check_s: Seconds = 1.0  # how often the site streams' waits are checked
+    circuit_open_s: Seconds = 5.0  # a site that failed 3 requests in a row gets none for this long, then one trial
     hold_check_s: Seconds = 0.1  # with no new state, the hold queue's head is weighed this often
     shutdown_grace_s: Seconds = 5.0  # open streams get this long at shutdown (fedctl waits 10 s)
 

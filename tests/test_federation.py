@@ -38,9 +38,10 @@ def _config(
     scheduler: str = "",
     gateway: str = "",
     rtt_ms: float = 130,
+    timings: str = "",
 ) -> tuple[Path, dict]:
     """A small federation's YAML; `scheduler` and `gateway` add keys to their sections (replicas,
-    policy; processes). Every port from one block free now: blocks found free one by one are not
+    policy; processes), `timings` is the timings section. Every port from one block free now: blocks found free one by one are not
     reserved, and two of them overlapped (an emulator could not bind a port its agent had)."""
     replicas = 2 if "replicas: 2" in scheduler else 1
     first = free_port_block(1 + replicas + len(sites) * (1 + GPUS))
@@ -63,6 +64,8 @@ def _config(
             f"agent_port: {next_port}, worker_port: {ports[name]}}}"
         )
         next_port += 1 + GPUS
+    if timings:
+        lines.append(f"timings: {timings}")
     path = tmp / "federation.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path, ports

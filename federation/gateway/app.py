@@ -228,7 +228,7 @@ def build_app(config: GatewayConfig) -> web.Application:
         app[SCHEDULERS_KEY] = Schedulers(list(config.scheduler_addresses), config.policy, config.rtt_s, config.timings)
         app[SCHEDULERS_KEY].start()
         app[ADMISSION_KEY] = admission.Admission(app[SCHEDULERS_KEY], config.max_held)
-        app[BREAKERS_KEY] = SiteBreakers()
+        app[BREAKERS_KEY] = SiteBreakers(open_s=config.timings.circuit_open_s)
         app[WRITES_KEY] = WriteBatch()
         flushing = asyncio.ensure_future(metrics.flush_forever())
         yield
