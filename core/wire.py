@@ -127,6 +127,10 @@ class SiteState:
     slots: int = 0
     admit_window: int = 0  # slow start: the slots routing may fill while the site proves itself; 0: all
     prefill_s_per_token: float = 0.0  # measured
+    # Seconds since the status, and the healthy workers, last changed, by the scheduler's clock:
+    # when it saw a change, however late an observer asks (a drill's detection time).
+    status_age_s: float = 0.0
+    workers_age_s: float = -1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,9 @@ class Site:
     registration: SiteRegistration
     estimator: CapacityEstimator
     slow_start: SlowStart
-    status: SiteStatus = SiteStatus.JOINING
+    _status: SiteStatus = SiteStatus.JOINING
+    status_since: float = field(default_factory=time.monotonic)
+    workers_since: float = 0.0  # when healthy_workers last changed (0: never reported)
     last_report_at: float = 0.0
     report: SiteReport | None = None
     outstanding_requests: int = 0
@@ -50,6 +52,15 @@ class Site:
     # Routes the agent has not acknowledged yet, by request id: (when, expected tokens), oldest
     # first. Added to what it reports, so a report older than a route cannot erase it.
     in_transit: dict[str, tuple[float, int]] = field(default_factory=dict)
+
+    @property
+    def status(self) -> SiteStatus:
+        return self._status
+
+    @status.setter
+    def status(self, status: SiteStatus) -> None:
+        if status is not self._status:
+            self._status, self.status_since = status, time.monotonic()
 
     @property
     def prior_capacity_tok_s(self) -> float:
@@ -126,6 +137,8 @@ class Registry:
         self.workload.observe(report, now)
         if site.last_report_at:
             site.estimator.observe(report, now - site.last_report_at)
+        if site.report is None or site.report.healthy_workers != report.healthy_workers:
+            site.workers_since = now
         site.report = report
         site.last_report_at = now
         site.slow_start.observe(report.running_requests, report.delivered_tok_s, site.capacity_tok_s, report.slots)
@@ -229,4 +242,6 @@ class Registry:
             slots=s.report.slots if s.report else 0,
             admit_window=s.slow_start.window,
             prefill_s_per_token=s.estimator.prefill_s_per_token(),
+            status_age_s=now - s.status_since,
+            workers_age_s=now - s.workers_since if s.workers_since else -1.0,
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from core.policy import (
     RouteContext,
     SiteLoad,
@@ -87,6 +89,24 @@ def test_registry_refuses_another_model_and_tracks_states() -> None:
     reg.apply_report(SiteReport("us", healthy_workers=16, total_workers=16), now=12.0)
     reg.disconnected("us")
     assert reg.states()[0].status is SiteStatus.DOWN
+
+
+def test_states_say_how_long_ago_status_and_workers_changed() -> None:
+    """By the scheduler's clock, so an observer that asks late (a drill's poll) still learns when."""
+    reg = Registry("openai/gpt-oss-120b", SchedulerTimings())
+    reg.register(SiteRegistration("us", "us-west-2", "mi355x", 16, "us:1", "openai/gpt-oss-120b"))
+    assert reg.states()[0].workers_age_s == -1.0  # no report yet
+    now = time.monotonic()
+    reg.apply_report(SiteReport("us", healthy_workers=16, total_workers=16), now=now)
+    time.sleep(0.2)
+    reg.apply_report(SiteReport("us", healthy_workers=16, total_workers=16), now=time.monotonic())
+    state = reg.states()[0]
+    assert state.status is SiteStatus.READY and 0.2 <= state.status_age_s < 1.0  # ready since the first
+    assert 0.2 <= state.workers_age_s < 1.0  # the same workers: no change since the first report
+    reg.apply_report(SiteReport("us", healthy_workers=14, total_workers=16), now=time.monotonic())
+    reg.disconnected("us")
+    state = reg.states()[0]
+    assert state.status is SiteStatus.DOWN and state.status_age_s < 0.1 and state.workers_age_s < 0.1
 
 
 def test_a_report_older_than_a_route_does_not_erase_it() -> None:

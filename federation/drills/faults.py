@@ -83,6 +83,19 @@ class Fault:
     def detected(self) -> bool:
         raise NotImplementedError
 
+    def detected_age_s(self) -> float | None:
+        """How long ago, by the schedulers' clock, the change `detected` saw happened; None when
+        the fault has no such clock (detection is then when the poll saw it)."""
+        return None
+
+    def _status_age_s(self) -> float | None:
+        state = self._state()
+        return state.status_age_s if state is not None else None
+
+    def _workers_age_s(self) -> float | None:
+        state = self._state()
+        return state.workers_age_s if state is not None and state.workers_age_s >= 0 else None
+
     def surviving(self, before_tok_s: dict[str, float]) -> dict[str, float]:
         """Of each site's delivered rate before the fault, what survives it."""
         kept = self.capacity_factor
@@ -116,6 +129,8 @@ class SiteCrash(Fault):
     def detected(self) -> bool:
         return self._site_down()
 
+    detected_age_s = Fault._status_age_s
+
     @property
     def capacity_factor(self) -> float:
         return 0.0
@@ -141,6 +156,8 @@ class SitePartition(Fault):
     def detected(self) -> bool:
         return self._site_down()
 
+    detected_age_s = Fault._status_age_s
+
     @property
     def capacity_factor(self) -> float:
         return 0.0
@@ -162,6 +179,12 @@ class AllWorkersLost(Fault):
     def detected(self) -> bool:
         state = self._state()
         return state is None or state.status is wire.SiteStatus.DOWN or state.healthy_workers == 0
+
+    def detected_age_s(self) -> float | None:
+        state = self._state()
+        if state is None or state.status is wire.SiteStatus.DOWN:
+            return self._status_age_s()
+        return self._workers_age_s()
 
     @property
     def capacity_factor(self) -> float:
@@ -190,6 +213,8 @@ class WorkerLoss(Fault):
     def detected(self) -> bool:
         state = self._state()
         return state is not None and state.healthy_workers <= state.total_workers - WORKERS_LOST
+
+    detected_age_s = Fault._workers_age_s
 
     @property
     def capacity_factor(self) -> float | None:
@@ -246,6 +271,8 @@ class Drain(Fault):
         state = self._state()
         return state is not None and state.status is wire.SiteStatus.DRAINING
 
+    detected_age_s = Fault._status_age_s
+
     @property
     def capacity_factor(self) -> float:
         return 0.0
@@ -264,6 +291,8 @@ class SiteJoin(Fault):
     def detected(self) -> bool:
         state = self._state()
         return state is not None and state.status is wire.SiteStatus.READY
+
+    detected_age_s = Fault._status_age_s
 
     def surviving(self, before_tok_s: dict[str, float]) -> dict[str, float]:
         return dict(before_tok_s)  # every site keeps what it had; the new one adds to it

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from core import runtime
 from core.config import Config
 from federation import admin
@@ -208,6 +210,21 @@ def _drill_embedded(args: argparse.Namespace, site: str, samples) -> dict[str, A
             federation.down()
 
 
+def _by_schedulers_clock(fault: Fault, fault_at: float, polled_s: float | None) -> float | None:
+    """When the schedulers saw the fault: the poll sees it up to one state query late (each asks
+    every replica over a fresh channel, ~0.5 s under a drill's load), so the site's own clock
+    (how long ago its status, or its healthy workers, changed) says when, bounded by the poll."""
+    if polled_s is None:
+        return None
+    try:
+        age = fault.detected_age_s()
+    except (grpc.RpcError, OSError):
+        return polled_s
+    if age is None:
+        return polled_s
+    return max(0.0, min(polled_s, time.monotonic() - age - fault_at))
+
+
 # What a drill's --heal-after-s does, on its timeline, when it is not a heal.
 SECOND_MARKS = {"scheduler-crash": "all schedulers killed", "scheduler-blackhole": "all schedulers blackholed"}
 
@@ -265,7 +282,8 @@ def _drill(target: Target, args: argparse.Namespace, site: str, samples) -> dict
     print(f"fedctl drill: {args.scenario} at {site}", file=sys.stderr, flush=True)
     fault_at = time.monotonic()
     fault.inject()  # a DrillError leaves the load and the sampler to die with the process (daemons)
-    detection_s = poll_until(fault.detected, DETECTION_TIMEOUT_S)
+    polled_s = poll_until(fault.detected, DETECTION_TIMEOUT_S)
+    detection_s = _by_schedulers_clock(fault, fault_at, polled_s)
     heal_at = None
     if heals:
         time.sleep(max(0.0, fault_at + args.heal_after_s - time.monotonic()))
@@ -282,6 +300,7 @@ def _drill(target: Target, args: argparse.Namespace, site: str, samples) -> dict
         line.marks[SECOND_MARKS.get(args.scenario, "heal")] = heal_at - fault_at
     healed_s = heal_at - fault_at if heal_at is not None else None
     report = _report(args, site, results, line, fault, detection_s, healed_s, counters_before, counters_after)
+    report["detection_polled_s"] = round(polled_s, 3) if polled_s is not None else None  # when the poll saw it
     # Requests that started at the site after the fault was seen (a drained site must get none).
     seen_at = fault_at + (detection_s or 0.0) + ROUTE_IN_TRANSIT_S
     report["routed_to_site_after_fault"] = sum(1 for r in results if r.site == site and r.started > seen_at)
