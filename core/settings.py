@@ -9,8 +9,10 @@ capacity estimator (its time constants) stays with the math in `scheduler/capaci
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Annotated, TypeVar
 
 import pydantic
@@ -86,9 +88,21 @@ def from_json(kind: type[T], text: str) -> T:
     try:
         return kind(**json.loads(text))
     except (json.JSONDecodeError, TypeError) as exc:
-        raise ValueError(f"--timings must be a JSON object of {kind.__name__} fields: {exc}") from None
+        raise ValueError(f"a JSON object of {kind.__name__} fields is needed: {exc}") from None
     except pydantic.ValidationError as exc:
-        raise ValueError(describe(exc, "--timings")) from None
+        raise ValueError(describe(exc, kind.__name__)) from None
+
+
+def timings_arg(kind: type[T]) -> Callable[[str], T]:
+    """The argparse type of a process's `--timings`: its message names the field."""
+
+    def parse(text: str) -> T:
+        try:
+            return from_json(kind, text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
 def to_json(timings: object) -> str:

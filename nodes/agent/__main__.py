@@ -24,7 +24,7 @@ import structlog
 
 from core import runtime, wire
 from core.config import JOIN_TOKEN_ENV
-from core.settings import AgentTimings, from_json
+from core.settings import AgentTimings, timings_arg
 from nodes.agent import calibrate
 from nodes.agent.join import JoinGate
 from nodes.agent.pool import WorkerPool
@@ -33,7 +33,6 @@ from nodes.agent.service import SiteAgentService
 from nodes.emulator.launch import EmulatorProcess, launch
 
 log = structlog.get_logger("agent")
-WORKER_HTTP_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)  # answers may take minutes
 # SGLang's default stream repeats the whole answer in every event: a 100 k-token answer is ~1 MB a line.
 CUMULATIVE_EVENT_BYTES = 8 * 1024**2
 
@@ -74,14 +73,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="decode steps between a stream's events, as SGLang's --stream-interval (with --emulate)",
     )
-    p.add_argument("--timings", default="{}", help="JSON: AgentTimings fields to override (core/settings.py)")
+    p.add_argument(
+        "--timings",
+        type=timings_arg(AgentTimings),
+        default=AgentTimings(),
+        help="JSON: AgentTimings fields to override (core/settings.py)",
+    )
     args = p.parse_args(argv)
     if args.gpus < 1:
         p.error("--gpus must be >= 1")
-    try:
-        args.timings = from_json(AgentTimings, args.timings)
-    except ValueError as exc:
-        p.error(str(exc))
     if args.coalesce_ms is not None:
         args.timings = dataclasses.replace(args.timings, coalesce_s=args.coalesce_ms / 1000)
     return args
@@ -107,9 +107,12 @@ async def serve(args: argparse.Namespace) -> int:
             port=args.emulator_port,
         )
     urls = emulator.urls if emulator else args.worker_url
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=args.timings.connect_timeout_s)  # answers take minutes
     try:
         async with aiohttp.ClientSession(
-            timeout=WORKER_HTTP_TIMEOUT, connector=aiohttp.TCPConnector(limit=0), read_bufsize=CUMULATIVE_EVENT_BYTES
+            timeout=timeout,
+            connector=aiohttp.TCPConnector(limit=0),
+            read_bufsize=CUMULATIVE_EVENT_BYTES,
         ) as session:
             return await _serve_site(args, urls, session)
     finally:
