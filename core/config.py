@@ -72,6 +72,11 @@ class Config:
     gateway_processes: int = 1
     ttft_budget_ms: float = 0.0  # gateway latency mode when > 0 (see federation/gateway/admission.py)
     rtt_ms: dict[tuple[str, str], float] = field(default_factory=dict)  # both orders present
+    # The round trips of the links that carry only control calls (sites' registrations and
+    # reports, Routes) when they differ from `rtt_ms`: a slowed bench stretches the data path's
+    # round trips with its GPUs, but not the control plane's clocks (heartbeats, timeouts), so
+    # its control links keep the real ones. None: `rtt_ms`.
+    control_rtt_ms: dict[tuple[str, str], float] | None = None
     sites: tuple[SiteConfig, ...] = ()
     scheduler_replicas: int = 1  # active-active: any of them can decide, agents report to all
     timings: Timings = field(default_factory=Timings)  # each component's waits (core/settings.py)
@@ -93,6 +98,11 @@ class Config:
             return self.rtt_ms[(a, b)]
         except KeyError:
             raise ConfigError(f"no `links` entry between {a} and {b}: say its rtt_ms") from None
+
+    def control_rtt_between(self, a: str, b: str) -> float:
+        if self.control_rtt_ms is None or a == b:
+            return self.rtt_between(a, b)
+        return self.control_rtt_ms[(a, b)]
 
     def with_overrides(
         self,

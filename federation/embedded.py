@@ -106,7 +106,7 @@ class Federation:
         """The addresses `client` (in `region`) dials for each replica: across a WAN link
         "link CLIENT->scheduler I" when its region is another, or when every path has one."""
         c = self.config
-        rtt = c.rtt_between(region, c.scheduler_region)
+        rtt = c.control_rtt_between(region, c.scheduler_region)
         if not (rtt or self.scheduler_links):
             return list(c.scheduler_addresses)
         return [

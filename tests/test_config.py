@@ -11,6 +11,7 @@ import pytest
 
 from core.config import DEFAULT_YAML, ConfigError, parse
 from core.processes import PROJECT_ROOT
+from federation.bench.run import bench_config
 
 
 def test_default_is_the_embedded_federation() -> None:
@@ -132,3 +133,14 @@ def test_control_server_stops_even_if_it_never_started(tmp_path: Path) -> None:
         timeout=20,
     )
     assert proc.returncode == 0 and not (tmp_path / "c.sock").exists()
+
+
+def test_a_slowed_federation_stretches_the_data_path_not_the_control_plane() -> None:
+    """At a twentieth of real speed the tokens' WAN round trips are 20 x longer (a wall second is
+    a twentieth of a GPU second on their way), but the control plane's clocks are not slowed, so
+    its links (sites' reports to the schedulers) keep the real round trip: a crashed Korean site
+    is seen down as soon after the crash as it would be."""
+    config = bench_config(None, 0.05, "least_expected_delay", 1)
+    assert config.rtt_between("ap-northeast-2", "us-west-2") == 2600.0
+    assert config.control_rtt_between("ap-northeast-2", "us-west-2") == 130.0
+    assert parse(DEFAULT_YAML).control_rtt_between("ap-northeast-2", "us-west-2") == 130.0

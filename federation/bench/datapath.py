@@ -64,7 +64,8 @@ def datapath_config(path: Path | None, speed: float, stream_interval: int, on_fr
             config, sites=tuple(dataclasses.replace(s, gpus=DATAPATH_GPUS.get(s.name, s.gpus)) for s in config.sites)
         )
     config = config.with_overrides(speed=speed, stream_interval=stream_interval)
-    config = dataclasses.replace(config, rtt_ms={k: v / config.speed for k, v in config.rtt_ms.items()})
+    scaled = {k: v / config.speed for k, v in config.rtt_ms.items()}
+    config = dataclasses.replace(config, rtt_ms=scaled, control_rtt_ms=config.rtt_ms)
     return on_free_ports(config)
 
 

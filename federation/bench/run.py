@@ -128,13 +128,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def bench_config(path: Path | None, speed: float | None, policy: str, stream_interval: int) -> Config:
-    """The federation to start, slowed down as a whole: GPUs and WAN round trips alike, so that
-    a wall-clock second is `speed` GPU seconds everywhere; on ports free now (`_on_free_ports`)."""
+    """The federation to start, slowed down as a whole: GPUs and the data path's WAN round trips
+    alike, so that a wall-clock second is `speed` GPU seconds on every token's way; the control
+    plane's links keep their real round trips, as its clocks (heartbeats, timeouts) are not
+    slowed; on ports free now (`_on_free_ports`)."""
     config = load(path).with_overrides(speed=speed or BENCH_SPEED, policy=policy, stream_interval=stream_interval)
     return _on_free_ports(
         dataclasses.replace(
             config,
             rtt_ms={k: v / config.speed for k, v in config.rtt_ms.items()},
+            control_rtt_ms=config.rtt_ms,
             gateway_processes=max(config.gateway_processes, BENCH_GATEWAY_PROCESSES),
         )
     )
