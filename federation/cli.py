@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from core import runtime, wire
+from core import pki, runtime, wire
 from core.config import JOIN_TOKEN_ENV, ConfigError, SiteConfig, load
 from core.gpus import PROFILES
 from core.policy import POLICIES
@@ -34,6 +34,8 @@ from federation import admin, control
 from federation.bench import run as bench
 from federation.drills import run as drills
 from federation.embedded import Federation
+
+CA_DIR = Path("federation-ca")  # `fedctl ca`'s directory unless --dir says another
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -75,6 +77,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add.add_argument("--timeout-s", type=runtime.positive_float, default=120.0, help="(--agent) wait this long")
     for parser in site.choices.values():
         _add_target(parser)
+    ca = sub.add_parser("ca", help="the federation's certificate authority").add_subparsers(
+        dest="action", required=True
+    )
+    ca.add_parser("init", help="make a new CA").add_argument("--dir", type=Path, default=CA_DIR)
+    issue = ca.add_parser("issue", help="a certificate and key for a site, a gateway, a scheduler or an operator")
+    who = issue.add_mutually_exclusive_group(required=True)
+    who.add_argument("--site", help="a site's agent, which may act as this site only")
+    who.add_argument("--role", choices=[r.value for r in pki.Role if r is not pki.Role.SITE])
+    issue.add_argument("--host", action="append", default=[], help="a name or address it serves at, repeatable")
+    issue.add_argument("--dir", type=Path, default=CA_DIR, help="the CA's directory")
+    issue.add_argument("--out", type=Path, default=None, help="where to write it (default: the CA's directory)")
     bench.add_arguments(sub.add_parser("bench", help="measure the federation, its sites alone and the peers"))
     drills.add_arguments(sub.add_parser("drill", help="inject a fault under load and measure what it cost"))
     return p.parse_args(argv)
@@ -340,6 +353,21 @@ def cmd_site(args: argparse.Namespace) -> int:
         return 1
 
 
+def cmd_ca(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "init":
+            pki.init_ca(args.dir)
+            print(f"CA made in {args.dir} (its key, {pki.CA_KEY}, is readable by you only: keep it off the sites)")
+            return 0
+        identity = pki.Identity(pki.Role.SITE, args.site) if args.site else pki.Identity(pki.Role(args.role))
+        cert, key = pki.issue(args.dir, identity, args.out or args.dir, tuple(args.host))
+    except pki.PkiError as exc:
+        print(f"fedctl ca: {exc}", file=sys.stderr)
+        return 2
+    print(f"{identity}: {cert} and {key} (with {args.dir / pki.CA_CERT}); it answers as {identity.server_name}")
+    return 0
+
+
 def cmd_measure(args: argparse.Namespace) -> int:
     """bench and drill: long runs that start their own federation."""
     signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: every process the run started stops too
@@ -360,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_measure(args)
         if args.command == "site":
             return cmd_site(args)
+        if args.command == "ca":
+            return cmd_ca(args)
         return cmd_up(args) if args.command == "up" else cmd_status(args)
     except ConfigError as exc:
         print(f"fedctl: {exc}", file=sys.stderr)
