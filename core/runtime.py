@@ -51,16 +51,29 @@ GRPC_CHANNEL_OPTIONS = (
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.min_reconnect_backoff_ms", 10_000),
 )
+
+
 # A peer that crashed or was cut off resets its connections, and calls fail at once. One whose
-# packets just stop (a link that drops them: a blackhole) is found by HTTP/2 pings: one
-# unanswered for KEEPALIVE_TIMEOUT_MS fails every call on the connection, so it is known within
-# two keepalive periods. Servers accept pings this often (GRPC_SERVER_OPTIONS).
-GRPC_KEEPALIVE_OPTIONS = (
-    ("grpc.keepalive_time_ms", 1000),
-    ("grpc.keepalive_timeout_ms", 1000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-)
+# packets just stop (a link that drops them: a blackhole) is found by HTTP/2 pings: after a
+# second with nothing read a ping goes out, and one unanswered for the ping timeout fails every
+# call on the connection. grpc-core (1.85) waits on a ping already out (a flow-control probe,
+# sent while data flows) for `grpc.http2.ping_timeout_ms`, 60 s by default, whatever
+# `keepalive_timeout_ms` says: measured through a blackholed link, calls were never failed
+# without it, and with it at 1 s they failed in 1.3-1.5 s. The timeout must exceed the link's
+# round trip, or every probe fails a healthy connection. Servers accept pings this often
+# (GRPC_SERVER_OPTIONS).
+def keepalive_options(ping_timeout_s: float = 1.0) -> tuple[tuple[str, int], ...]:
+    timeout_ms = max(1000, round(ping_timeout_s * 1000))
+    return (
+        ("grpc.keepalive_time_ms", 1000),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    )
+
+
+GRPC_KEEPALIVE_OPTIONS = keepalive_options()  # for links whose round trip is well under a second
 
 
 # A process with ~20 k open streams holds millions of objects; CPython's default thresholds

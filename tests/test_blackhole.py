@@ -1,6 +1,7 @@
 """Links that drop packets instead of refusing them: a scheduler replica behind a blackhole is
 found by the gateway's watch and keepalive pings, routes go to the other replica, and with every
-replica blackholed the gateway routes from the last state (degraded) — no request fails."""
+replica blackholed the gateway routes from the last state (degraded) — no request fails; a site
+behind one is found by the pings, and its streams resume elsewhere."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import aiohttp
 import pytest
 
 from core.processes import free_port_block, start_python
-from federation.linkproxy import Link, LinkProxy
+from federation.linkproxy import BLACKHOLE_SIGNAL, Link, LinkProxy
 from tests.test_federation import MODEL
 
 DETECTION_BOUND_S = 5.0  # generous: two keepalive periods (2 s) plus a loaded machine's slack
@@ -91,3 +92,38 @@ async def test_blackholed_scheduler_replicas_are_routed_around_then_degraded(mak
 async def _is(health, status: str, scheduler: str | None) -> bool:
     h = await health()
     return h["status"] == status and (scheduler is None or h["scheduler"] == scheduler)
+
+
+@pytest.mark.timeout(180)
+async def test_streams_at_a_blackholed_site_resume_elsewhere_within_seconds(make_federation) -> None:
+    """The gateway's link to Korea drops every byte, its connections left open: HTTP/2 pings
+    find it (a second with nothing read, then a ping unanswered for 1 s plus the longest round
+    trip), and the streams Korea held resume at the US, whole — none waits for the link to heal
+    (measured before the fix: they waited until the heal, 20 s in the drill)."""
+    fed, _ = make_federation(scheduler="policy: round_robin", speed=2)  # half the streams on Korea
+    url = fed.config.gateway_url
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+
+        async def stream() -> int:
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            tokens = 0
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        tokens += 1
+            return tokens
+
+        async def resumed() -> bool:
+            async with http.get(url + "/metrics") as resp:
+                text = await resp.text()
+            return any(
+                line.startswith("federation_gateway_resumed_total ") and float(line.split()[1]) > 0
+                for line in text.splitlines()
+            )
+
+        streams = [asyncio.ensure_future(stream()) for _ in range(8)]
+        await asyncio.sleep(3.0)  # every stream has begun, at both sites
+        fed.child("link gateway->kr-mi300x").proc.send_signal(BLACKHOLE_SIGNAL)
+        await _until(resumed, DETECTION_BOUND_S)  # fails past the bound
+        assert all(t > 0 for t in await asyncio.gather(*streams))

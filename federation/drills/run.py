@@ -8,9 +8,9 @@ the fault was detected and throughput recovered, and throughput before, during a
 With `--endpoint` it drills a federation already running instead, broken by the operator's
 `--inject`/`--heal` commands (see `target.py`), and measures the same.
 
-`recovery_s`: seconds from the fault until throughput is back to 90 % of what the surviving
-capacity delivered before it (a crashed site's share gone, a browned-out site's divided by 4,
-...), held for 3 s. `share_target`: the site's part of the capacity the schedulers measure
+`recovery_s`: seconds from the fault until throughput, averaged over 3 s, is back to 90 % of
+what the surviving capacity delivered before it (a crashed site's share gone, a browned-out
+site's divided by 4, ...). `share_target`: the site's part of the capacity the schedulers measure
 after the fault; `share_converge_s`: seconds until its share of the tokens is within 10 % of
 that, held for 3 s. `capacity_converge_s` (brownout, worker loss): seconds until the site's
 measured capacity is within 10 % of its true one (what it measured before, ÷ the slowdown or
@@ -370,8 +370,10 @@ def _report(
     # the fault (0 for a site that takes no new work).
     capacity_before = line.capacity_means(-args.before_s, 0.0)
     capacity_after = line.capacity_means(after_start_s, after_end_s)
-    # None when no scheduler answered after the fault (all replicas killed): nothing to follow.
-    target_share = capacity_after.get(site, 0.0) / sum(capacity_after.values()) if capacity_after else None
+    # None when no scheduler answered after the fault (all replicas killed or cut off, or every
+    # site down at the ones that did): nothing to follow.
+    total_after = sum(capacity_after.values())
+    target_share = capacity_after.get(site, 0.0) / total_after if total_after else None
     true_capacity = (
         capacity_before[site] * fault.capacity_factor
         if fault.capacity_factor is not None and site in capacity_before

@@ -224,7 +224,7 @@ def build_app(config: GatewayConfig) -> web.Application:
     app[CONFIG_KEY] = config
 
     async def upstream_ctx(app: web.Application):
-        app[UPSTREAM_KEY] = Upstream(config.timings)
+        app[UPSTREAM_KEY] = Upstream(config.timings, max(config.rtt_s.values(), default=0.0))
         app[SCHEDULERS_KEY] = Schedulers(list(config.scheduler_addresses), config.policy, config.rtt_s, config.timings)
         app[SCHEDULERS_KEY].start()
         app[ADMISSION_KEY] = admission.Admission(app[SCHEDULERS_KEY], config.max_held)

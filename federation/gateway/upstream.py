@@ -201,10 +201,10 @@ class SiteLink:
     """One agent: its channel, kept for the gateway's life, and its current Generate call
     (opened when first needed, and again after one broke)."""
 
-    def __init__(self, address: str, timings: GatewayTimings) -> None:
+    def __init__(self, address: str, timings: GatewayTimings, ping_timeout_s: float) -> None:
         self.address = address
         self._timings = timings
-        options = runtime.GRPC_KEEPALIVE_OPTIONS + runtime.GRPC_CHANNEL_OPTIONS  # a blackholed site is found
+        options = runtime.keepalive_options(ping_timeout_s) + runtime.GRPC_CHANNEL_OPTIONS  # a blackholed site is found
         self._channel = grpc.aio.insecure_channel(address, options=options)
         self._stub = wire.SiteAgentStub(self._channel)
         self._call: _Call | None = None
@@ -241,8 +241,11 @@ class SiteLink:
 class Upstream:
     """The sites' agents, one link per address, kept for the gateway's life."""
 
-    def __init__(self, timings: GatewayTimings = GatewayTimings()) -> None:
+    def __init__(self, timings: GatewayTimings = GatewayTimings(), longest_rtt_s: float = 0.0) -> None:
+        """`longest_rtt_s`: the longest round trip to a site (a ping to it must be given that long
+        on top of the second a healthy site takes at most to answer)."""
         self._timings = timings
+        self._ping_timeout_s = 1.0 + longest_rtt_s
         self._links: dict[str, SiteLink] = {}
         self._numbers = itertools.count(1)
         self._watch = asyncio.ensure_future(self._watch_forever())
@@ -252,7 +255,7 @@ class Upstream:
         Close the stream when done with it (that cancels it at the agent if it still runs)."""
         link = self._links.get(address)
         if link is None:
-            link = self._links[address] = SiteLink(address, self._timings)
+            link = self._links[address] = SiteLink(address, self._timings, self._ping_timeout_s)
         return link.start(next(self._numbers), request, deliver)
 
     async def _watch_forever(self) -> None:
