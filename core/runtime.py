@@ -29,7 +29,7 @@ GRPC_SERVER_OPTIONS = (
     ("grpc.server.max_pending_requests", 50_000),
     ("grpc.server.max_pending_requests_hard_limit", 100_000),
     ("grpc.server_max_unrequested_time_in_server", 1800),  # seconds: as long as a first token may take
-    # Clients ping every second to find a silent partition (GRPC_KEEPALIVE_OPTIONS): such pings
+    # Clients ping every second to find a silent partition (keepalive_options): such pings
     # must not count as abuse (by default a server answers them with GOAWAY).
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
     ("grpc.http2.max_ping_strikes", 0),
@@ -71,9 +71,6 @@ def keepalive_options(ping_timeout_s: float = 1.0) -> tuple[tuple[str, int], ...
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     )
-
-
-GRPC_KEEPALIVE_OPTIONS = keepalive_options()  # for links whose round trip is well under a second
 
 
 # A process with ~20 k open streams holds millions of objects; CPython's default thresholds

@@ -50,6 +50,7 @@ class AgentTimings:
     loop_tick_s: Seconds = 0.1  # the agent's loop hands its load to the reporter this often
     late_report_s: Seconds = 0.75  # a gap this long between reports is logged (the heartbeat is 1 s)
     loop_stall_limit_s: Seconds = 5.0  # a loop silent this long is stuck: the reporter stops, the site goes down
+    scheduler_ping_s: Seconds = 1.0  # a ping a scheduler leaves unanswered this long: its link is dead (> round trip)
     shutdown_grace_s: Seconds = 2.0  # in-flight RPCs get this long at shutdown
 
 
@@ -62,6 +63,7 @@ class GatewayTimings:
     loop_stall_s: Seconds = 0.25  # a wait ending this late means this loop stalled, not the replica
     watch_retry_s: Seconds = 0.2  # after losing every replica, they are tried again this often
     state_timeout_s: Seconds = 2.0  # one GetState
+    scheduler_ping_s: Seconds = 1.0  # a ping a scheduler leaves unanswered this long: its link is dead (> round trip)
     retry_budget_s: Seconds = 30.0  # a request is retried (or resumed) on other sites for up to this long
     first_chunk_timeout_s: Seconds = 1900.0  # a site stream with no first chunk in this long has failed
     between_chunks_timeout_s: Seconds = 90.0  # and one silent this long between chunks

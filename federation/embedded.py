@@ -31,7 +31,7 @@ class Federation:
     """The processes of one federation on this machine, started in dependency order."""
 
     def __init__(self, config: Config, log: IO[str] | None = None, *, scheduler_links: bool = False) -> None:
-        self.config = config
+        self.config = _pinging_past_the_links(config)
         self.log = log  # where the processes' log lines go (default: our stderr)
         # Every path to a scheduler replica through a link of ours, its region's round trip or
         # 0 ms (a drill can then drop a replica's packets for everyone: scheduler-blackhole).
@@ -228,3 +228,18 @@ def running(config: Config, log: IO[str] | None = None) -> Iterator[str]:
 def _timings_args(timings: object) -> list[str]:
     """A component's `--timings`, when the config changes any of its defaults."""
     return [] if timings == type(timings)() else ["--timings", to_json(timings)]
+
+
+def _pinging_past_the_links(config: Config) -> Config:
+    """A ping to a scheduler must outlive the round trip to it, or every ping on a long link
+    fails a healthy connection: the agents' and the gateway's ping timeouts are raised to a
+    second more than the longest control link's round trip, where the config's are shorter."""
+    longest_s = max((config.control_rtt_between(a, b) for a, b in config.rtt_ms), default=0.0) / 1000
+    if not longest_s:
+        return config
+    timings = config.timings
+    agent = dataclasses.replace(timings.agent, scheduler_ping_s=max(timings.agent.scheduler_ping_s, 1.0 + longest_s))
+    gateway = dataclasses.replace(
+        timings.gateway, scheduler_ping_s=max(timings.gateway.scheduler_ping_s, 1.0 + longest_s)
+    )
+    return dataclasses.replace(config, timings=dataclasses.replace(timings, agent=agent, gateway=gateway))

@@ -10,10 +10,10 @@ import sys
 import grpc
 
 from core import wire
-from core.config import parse
+from core.config import DEFAULT_YAML, parse
 from core.processes import PROJECT_ROOT, free_port_block, start_python
 from core.settings import SchedulerTimings, to_json
-from federation.embedded import _timings_args
+from federation.embedded import Federation, _timings_args
 
 
 def test_a_scheduler_tells_sites_the_report_interval_it_was_given() -> None:
@@ -55,3 +55,16 @@ def test_the_config_file_sets_what_each_process_is_started_with() -> None:
     assert _timings_args(config.timings.gateway) == [] and _timings_args(config.timings.scheduler) == []
     flag, value = _timings_args(config.timings.agent)
     assert flag == "--timings" and '"coalesce_s": 0.05' in value and '"health_interval_s": 1.0' in value
+
+
+def test_pings_to_the_schedulers_outlive_the_longest_control_link() -> None:
+    """A ping unanswered for less than the round trip would fail every healthy connection on a
+    long link (a 1.5-s one dropped Korea's reports at once): the embedded federation raises the
+    agents' and the gateway's ping timeouts past its longest control link."""
+    config = parse(
+        "gateway: {region: us-west-2}\nlinks: [{between: [ap-northeast-2, us-west-2], rtt_ms: 1500}]\n"
+        "sites: [{name: a, region: ap-northeast-2, gpu: mi300x, gpus: 1, agent_port: 9000}]"
+    )
+    timings = Federation(config).config.timings
+    assert timings.agent.scheduler_ping_s == 2.5 and timings.gateway.scheduler_ping_s == 2.5
+    assert Federation(parse(DEFAULT_YAML)).config.timings.agent.scheduler_ping_s == 1.23  # 230 ms, Korea-Frankfurt

@@ -60,7 +60,9 @@ class Schedulers:
             raise ValueError("at least one scheduler address is needed")
         self.addresses = list(addresses)
         self.timings = timings
-        options = runtime.GRPC_KEEPALIVE_OPTIONS + runtime.GRPC_CHANNEL_OPTIONS  # a blackholed replica is found
+        options = (
+            runtime.keepalive_options(timings.scheduler_ping_s) + runtime.GRPC_CHANNEL_OPTIONS
+        )  # a blackholed replica is found
         self._channels = [grpc.aio.insecure_channel(a, options=options) for a in self.addresses]
         self._stubs = [wire.SchedulerStub(c) for c in self._channels]
         self._current = 0  # the replica asked first

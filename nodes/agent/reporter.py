@@ -238,7 +238,9 @@ class Reporter:
     def _run(self, scheduler_address: str) -> None:
         """Stay registered with one scheduler and report to it, until it removes the site or we stop."""
         attempt = 0
-        options = runtime.GRPC_KEEPALIVE_OPTIONS + runtime.GRPC_CHANNEL_OPTIONS  # a blackholed replica is found
+        options = (
+            runtime.keepalive_options(self.timings.scheduler_ping_s) + runtime.GRPC_CHANNEL_OPTIONS
+        )  # a blackholed replica is found
         with grpc.insecure_channel(scheduler_address, options=options) as channel:
             stub = wire.SchedulerStub(channel)
             while not self._stop.is_set():
