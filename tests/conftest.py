@@ -1,6 +1,11 @@
 """Shared fixtures: real emulator processes and federations on loopback ports."""
 
+# ruff: noqa: E402  (grpc-core's fork handlers are turned off before anything imports grpc)
 from __future__ import annotations
+
+from core.forks import keep_grpc_out_of_forks
+
+keep_grpc_out_of_forks()  # before anything imports grpc: the tests start processes while they use it
 
 import os
 import subprocess
