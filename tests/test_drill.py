@@ -119,3 +119,5 @@ def test_silent_failures_lose_nothing(tmp_path: Path, scenario: str) -> None:
     assert KEYS <= set(report) and report["scenario"] == scenario
     assert report["requests_sent"] > 60 and report["requests_failed"] == 0 and report["lost"] == 0, report["errors"]
     assert report["detection_s"] is not None
+    if scenario.endswith("blackhole"):  # silence: no one can see it before a second of it
+        assert report["detection_s"] >= 0.5, report["detection_s"]

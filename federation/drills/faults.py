@@ -225,9 +225,15 @@ class WorkerLoss(Fault):
 
 class SchedulerCrash(Fault):
     """Kills replica 0 at the fault; then the rest `--heal-after-s` later (the 'heal' here is the
-    second blow). Detected when the gateway watches another replica, or says it is degraded."""
+    second blow). Detected when the gateway watches another replica than it did before the
+    fault (the address it dials: a link's, when links carry its calls), or says it is degraded."""
 
     heals = True
+    watched_before: str | None = None
+
+    def inject(self) -> None:
+        self.watched_before = self.target.gateway_health().get("scheduler")
+        super().inject()
 
     def _inject(self, federation: Federation) -> None:
         federation.child("scheduler 0").proc.send_signal(signal.SIGKILL)
@@ -238,15 +244,14 @@ class SchedulerCrash(Fault):
 
     def detected(self) -> bool:
         health = self.target.gateway_health()
-        watched, first = health.get("scheduler"), self.target.scheduler_addresses[0]
-        return health.get("status") == "degraded" or (bool(watched) and watched != first)
+        watched = health.get("scheduler")
+        return health.get("status") == "degraded" or (bool(watched) and watched != self.watched_before)
 
 
-class SchedulerBlackhole(Fault):
+class SchedulerBlackhole(SchedulerCrash):
     """Replica 0's packets dropped on every path to it (the drill puts a link of ours on each);
     then every replica's `--heal-after-s` later. Detected as scheduler-crash is."""
 
-    heals = True
     needs_scheduler_links: ClassVar[bool] = True
 
     def _inject(self, federation: Federation) -> None:
@@ -257,8 +262,6 @@ class SchedulerBlackhole(Fault):
         for i in range(1, federation.config.scheduler_replicas):
             for link in federation.links_to_scheduler(i):
                 link.proc.send_signal(BLACKHOLE_SIGNAL)
-
-    detected = SchedulerCrash.detected
 
 
 class Drain(Fault):
