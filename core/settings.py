@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from collections.abc import Callable
 from typing import Annotated, TypeVar
 
 import pydantic
@@ -95,16 +94,19 @@ def from_json(kind: type[T], text: str) -> T:
         raise ValueError(describe(exc, kind.__name__)) from None
 
 
-def timings_arg(kind: type[T]) -> Callable[[str], T]:
-    """The argparse type of a process's `--timings`: its message names the field."""
+def add_timings_argument(parser: argparse.ArgumentParser, kind: type) -> None:
+    """A process's `--timings JSON` (its component's defaults when absent); a wrong one is an
+    argparse error naming the field."""
 
-    def parse(text: str) -> T:
+    def parse(text: str) -> object:
         try:
             return from_json(kind, text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
-    return parse
+    parser.add_argument(
+        "--timings", type=parse, default=kind(), help=f"JSON: {kind.__name__} fields to override (core/settings.py)"
+    )
 
 
 def to_json(timings: object) -> str:

@@ -16,7 +16,7 @@ import structlog
 from core import runtime, wire
 from core.config import JOIN_TOKEN_ENV
 from core.policy import POLICIES
-from core.settings import SchedulerTimings, timings_arg
+from core.settings import SchedulerTimings, add_timings_argument
 from scheduler.service import SchedulerService
 
 log = structlog.get_logger("scheduler")
@@ -35,12 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="routing policy; the others are baselines for benchmarks",
     )
     p.add_argument("--rtt-ms", type=runtime.rtt_arg, action="append", default=[], help="REGION:REGION=MS, repeatable")
-    p.add_argument(
-        "--timings",
-        type=timings_arg(SchedulerTimings),
-        default=SchedulerTimings(),
-        help="JSON: SchedulerTimings fields to override (core/settings.py)",
-    )
+    add_timings_argument(p, SchedulerTimings)
     return p.parse_args(argv)
 
 

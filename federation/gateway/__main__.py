@@ -11,7 +11,7 @@ from aiohttp import web
 
 from core import runtime, tokens
 from core.policy import POLICIES
-from core.settings import GatewayTimings, timings_arg
+from core.settings import GatewayTimings, add_timings_argument
 from federation.gateway.app import GatewayConfig, build_app
 from federation.gateway.failover import FailoverConfig
 
@@ -50,12 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="REGION:REGION=MS, repeatable: the schedulers' round trips, for decisions made here "
         "(degraded mode, held requests)",
     )
-    p.add_argument(
-        "--timings",
-        type=timings_arg(GatewayTimings),
-        default=GatewayTimings(),
-        help="JSON: GatewayTimings fields to override (core/settings.py)",
-    )
+    add_timings_argument(p, GatewayTimings)
     args = p.parse_args(argv)
     if args.retry_budget_s is not None:
         args.timings = dataclasses.replace(args.timings, retry_budget_s=args.retry_budget_s)

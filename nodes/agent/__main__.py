@@ -24,7 +24,7 @@ import structlog
 
 from core import runtime, wire
 from core.config import JOIN_TOKEN_ENV
-from core.settings import AgentTimings, timings_arg
+from core.settings import AgentTimings, add_timings_argument
 from nodes.agent import calibrate
 from nodes.agent.join import JoinGate
 from nodes.agent.pool import WorkerPool
@@ -73,12 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="decode steps between a stream's events, as SGLang's --stream-interval (with --emulate)",
     )
-    p.add_argument(
-        "--timings",
-        type=timings_arg(AgentTimings),
-        default=AgentTimings(),
-        help="JSON: AgentTimings fields to override (core/settings.py)",
-    )
+    add_timings_argument(p, AgentTimings)
     args = p.parse_args(argv)
     if args.gpus < 1:
         p.error("--gpus must be >= 1")
