@@ -181,3 +181,15 @@ def load(ca_cert: Path, cert: Path, key: Path) -> Credentials:
     if key.stat().st_mode & 0o077:
         raise PkiError(f"{key}: a private key must be readable by its owner only (chmod 600)")
     return Credentials(ca_cert.read_bytes(), cert.read_bytes(), key.read_bytes())
+
+
+def holder(cert_pem: bytes) -> Identity:
+    """Who a certificate names (PkiError when it names no role of ours)."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        raise PkiError(f"not a PEM certificate: {exc}") from None
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if len(names) != 1:
+        raise PkiError("a certificate of this federation has exactly one common name")
+    return Identity.from_common_name(str(names[0].value))

@@ -17,27 +17,30 @@ import grpc
 
 from core import wire
 from core.credential import bearer
+from core.mtls import Tls
+from core.pki import Identity, Role
 
 ADMIN_TIMEOUT_S = 3.0
 DRAIN_POLL_S = 0.5
+SCHEDULER = Identity(Role.SCHEDULER)
 
 
 class NoReplica(RuntimeError):
     """No scheduler replica answered."""
 
 
-def fetch_state(scheduler: str) -> wire.FederationState:
-    with grpc.insecure_channel(scheduler) as channel:
+def fetch_state(scheduler: str, tls: Tls) -> wire.FederationState:
+    with tls.sync_channel(scheduler, SCHEDULER) as channel:
         stub = wire.SchedulerStub(channel)
         return wire.federation_state_from_pb(stub.GetState(wire.state_request_to_pb(), timeout=ADMIN_TIMEOUT_S))
 
 
-def replicas_state(addresses: Sequence[str]) -> tuple[wire.FederationState | None, dict[str, str]]:
+def replicas_state(addresses: Sequence[str], tls: Tls) -> tuple[wire.FederationState | None, dict[str, str]]:
     """The first answering replica's state (None if none answers), and every replica's status."""
     state, reachable = None, {}
     for address in addresses:
         try:
-            seen = fetch_state(address)
+            seen = fetch_state(address, tls)
         except grpc.RpcError as exc:
             reachable[address] = f"unreachable ({exc.code().name})"
             continue
@@ -58,16 +61,22 @@ def gateway_health(gateway_url: str) -> dict:
         return {"status": "unreachable", "reason": str(exc)}
 
 
-def _on_each(addresses: Sequence[str], call: Callable[[wire.SchedulerStub], object]) -> list[str]:
-    """Run `call` on every replica; returns the ones that took it. NOT_FOUND is raised."""
+class Refused(PermissionError):
+    """A replica refused the operator's certificate (the reason is its own)."""
+
+
+def _on_each(addresses: Sequence[str], tls: Tls, call: Callable[[wire.SchedulerStub], object]) -> list[str]:
+    """Run `call` on every replica; returns the ones that took it. NOT_FOUND and a refusal are raised."""
     done = []
     for address in addresses:
-        with grpc.insecure_channel(address) as channel:
+        with tls.sync_channel(address, SCHEDULER) as channel:
             try:
                 call(wire.SchedulerStub(channel))
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     raise LookupError(exc.details()) from None
+                if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                    raise Refused(f"{address}: {exc.details()}") from None
                 continue
             done.append(address)
     if not done:
@@ -75,23 +84,23 @@ def _on_each(addresses: Sequence[str], call: Callable[[wire.SchedulerStub], obje
     return done
 
 
-def drain(addresses: Sequence[str], site: str, draining: bool = True) -> list[str]:
+def drain(addresses: Sequence[str], tls: Tls, site: str, draining: bool = True) -> list[str]:
     ref = wire.site_ref_to_pb(site)
     if draining:
-        return _on_each(addresses, lambda stub: stub.DrainSite(ref, timeout=ADMIN_TIMEOUT_S))
-    return _on_each(addresses, lambda stub: stub.UndrainSite(ref, timeout=ADMIN_TIMEOUT_S))
+        return _on_each(addresses, tls, lambda stub: stub.DrainSite(ref, timeout=ADMIN_TIMEOUT_S))
+    return _on_each(addresses, tls, lambda stub: stub.UndrainSite(ref, timeout=ADMIN_TIMEOUT_S))
 
 
-def remove(addresses: Sequence[str], site: str) -> list[str]:
+def remove(addresses: Sequence[str], tls: Tls, site: str) -> list[str]:
     ref = wire.site_ref_to_pb(site)
-    return _on_each(addresses, lambda stub: stub.RemoveSite(ref, timeout=ADMIN_TIMEOUT_S))
+    return _on_each(addresses, tls, lambda stub: stub.RemoveSite(ref, timeout=ADMIN_TIMEOUT_S))
 
 
-def wait_empty(addresses: Sequence[str], site: str, timeout_s: float, on_poll: Callable[[int], None]) -> bool:
+def wait_empty(addresses: Sequence[str], tls: Tls, site: str, timeout_s: float, on_poll: Callable[[int], None]) -> bool:
     """Poll until the draining site has no request in flight; False if `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        state, _ = replicas_state(addresses)
+        state, _ = replicas_state(addresses, tls)
         if state is None:
             raise NoReplica("no scheduler replica answered")
         sites = {s.name: s for s in state.sites}
@@ -105,17 +114,17 @@ def wait_empty(addresses: Sequence[str], site: str, timeout_s: float, on_poll: C
     return False
 
 
-def join_agent(agent: str, request: wire.JoinRequest, credential: str) -> str:
+def join_agent(agent: str, tls: Tls, request: wire.JoinRequest, credential: str) -> str:
     """Tell the agent at `agent` to join `request.schedulers`; the address it registers.
     Raises grpc.RpcError with the agent's reason when it refuses."""
-    with grpc.insecure_channel(agent) as channel:
+    with tls.sync_channel(agent, Identity(Role.SITE, request.site)) as channel:
         reply = wire.SiteAgentStub(channel).Join(
             wire.join_request_to_pb(request), metadata=bearer(credential), timeout=ADMIN_TIMEOUT_S
         )
     return reply.agent_address
 
 
-def wait_joined(addresses: Sequence[str], site: str, since_unix_s: float, timeout_s: float) -> str | None:
+def wait_joined(addresses: Sequence[str], tls: Tls, site: str, since_unix_s: float, timeout_s: float) -> str | None:
     """Poll until the site is ready at every replica (None), or a replica refused it after
     `since_unix_s` (its reason). Raises TimeoutError when neither happens within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -123,7 +132,7 @@ def wait_joined(addresses: Sequence[str], site: str, since_unix_s: float, timeou
         ready = 0
         for address in addresses:
             try:
-                state = fetch_state(address)
+                state = fetch_state(address, tls)
             except grpc.RpcError:
                 continue
             refused = [r for r in state.refused if r.name == site and r.at_unix_s >= since_unix_s]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from core import pki, runtime, wire
+from core import mtls, pki, runtime, wire
 from core.config import JOIN_TOKEN_ENV, ConfigError, SiteConfig, load
 from core.gpus import PROFILES
 from core.policy import POLICIES
@@ -34,6 +34,7 @@ from federation import admin, control
 from federation.bench import run as bench
 from federation.drills import run as drills
 from federation.embedded import Federation
+from federation.throwaway_ca import OPERATOR, operator_tls
 
 CA_DIR = Path("federation-ca")  # `fedctl ca`'s directory unless --dir says another
 
@@ -49,6 +50,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     up.add_argument("--speed", type=runtime.positive_float, default=None, help="emulated GPU speed (0.1 = 10x slower)")
     up.add_argument(
         "--policy", choices=sorted(POLICIES), default=None, help="routing policy (baselines for comparison)"
+    )
+    up.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext gRPC between its processes (default: mutual TLS under a CA made for the run)",
     )
     status = sub.add_parser("status", help="list the sites")
     status.add_argument("--json", action="store_true")
@@ -94,10 +100,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
+    """Where an operator command goes, and the operator's certificate it presents (default: the
+    one the `fedctl up` of this config on this machine made)."""
     p.add_argument("--config", type=Path, default=None)
     p.add_argument(
         "--scheduler", action="append", default=None, help="host:port of a replica, repeatable (default: the config's)"
     )
+    mtls.add_arguments(p, "operator")
+
+
+def _operator(args: argparse.Namespace) -> mtls.Tls:
+    """The operator's credentials: the flags', else those the `fedctl up` of this config keeps."""
+    if mtls.given(args):
+        return mtls.tls_from(args, OPERATOR)
+    directory = control.tls_dir(load(args.config))
+    found = operator_tls(directory)
+    if found is None:
+        raise pki.PkiError(
+            f"no operator certificate: no `fedctl up` of this config keeps one in {directory}; give --ca, --cert "
+            "and --key (fedctl ca issue --role operator), or --insecure for a federation started --insecure"
+        )
+    return found
 
 
 def _schedulers(args: argparse.Namespace) -> list[str]:
@@ -110,7 +133,7 @@ def _interrupt(*_: object) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     config = load(args.config).with_overrides(port=args.port, speed=args.speed, policy=args.policy)
-    federation = Federation(config)
+    federation = Federation(config, insecure=args.insecure)
     jobs: queue.Queue = queue.Queue()
     controls = control.ControlServer(control.socket_path(config), _site_controls(federation, jobs))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops us like Ctrl-C, even mid start-up
@@ -120,6 +143,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         endpoint = config.gateway_url + "/v1"
         runtime.announce_ready(endpoint=endpoint, sites=[s.name for s in config.sites], speed=config.speed)
         print(f"federation ready: {endpoint}  (fedctl status; Ctrl-C stops it)", file=sys.stderr, flush=True)
+        if federation.ca is not None:
+            where = federation.ca.directory
+            print(f"gRPC: mutual TLS under a CA made for this run, in {where}", file=sys.stderr, flush=True)
         reported: set[str] = set()
         while True:
             _run_pending(jobs, wait_s=0.5)
@@ -219,7 +245,7 @@ SITE_COLUMNS = (
 def cmd_status(args: argparse.Namespace) -> int:
     config = load(args.config)
     addresses = args.scheduler or list(config.scheduler_addresses)
-    state, replicas = admin.replicas_state(addresses)
+    state, replicas = admin.replicas_state(addresses, _operator(args))
     if state is None:
         gateway = admin.gateway_health(config.gateway_url)
         print(f"fedctl: no scheduler replica reachable ({', '.join(addresses)})", file=sys.stderr)
@@ -284,11 +310,11 @@ def cmd_site_add(args: argparse.Namespace) -> int:
 
 
 def _join_agent(args: argparse.Namespace) -> int:
-    schedulers = _schedulers(args)
+    schedulers, operator = _schedulers(args), _operator(args)
     request = wire.JoinRequest(tuple(schedulers), args.name, args.region, args.gpu, args.gpus)
     asked_at = time.time()
     try:
-        address = admin.join_agent(args.agent, request, os.environ.get(JOIN_TOKEN_ENV, ""))
+        address = admin.join_agent(args.agent, operator, request, os.environ.get(JOIN_TOKEN_ENV, ""))
     except grpc.RpcError as exc:
         hint = (
             f" (set {JOIN_TOKEN_ENV} to the federation's credential)"
@@ -300,7 +326,7 @@ def _join_agent(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        refusal = admin.wait_joined(schedulers, args.name, asked_at, args.timeout_s)
+        refusal = admin.wait_joined(schedulers, operator, args.name, asked_at, args.timeout_s)
     except TimeoutError as exc:
         print(f"fedctl: {exc}; `fedctl status` shows where it stands", file=sys.stderr)
         return 1
@@ -325,14 +351,14 @@ def _stop_site_processes(args: argparse.Namespace) -> None:
 def cmd_site(args: argparse.Namespace) -> int:
     if args.action == "add":
         return cmd_site_add(args)
-    addresses = _schedulers(args)
+    addresses, operator = _schedulers(args), _operator(args)
     try:
         if args.action == "remove":
-            done = admin.remove(addresses, args.name)
+            done = admin.remove(addresses, operator, args.name)
             print(f"{args.name}: removed at {', '.join(done)}")
             _stop_site_processes(args)
             return 0
-        done = admin.drain(addresses, args.name, draining=args.action == "drain")
+        done = admin.drain(addresses, operator, args.name, draining=args.action == "drain")
         print(f"{args.name}: {'draining' if args.action == 'drain' else 'taking new work'} at {', '.join(done)}")
         if args.action == "undrain" or args.no_wait:
             return 0
@@ -340,13 +366,16 @@ def cmd_site(args: argparse.Namespace) -> int:
         def show(in_flight: int) -> None:
             print(f"{args.name}: {in_flight} requests in flight", file=sys.stderr, flush=True)
 
-        if admin.wait_empty(addresses, args.name, args.timeout_s, show):
+        if admin.wait_empty(addresses, operator, args.name, args.timeout_s, show):
             print(f"{args.name}: drained, no request in flight")
             return 0
         print(f"fedctl: {args.name} still has requests in flight after {args.timeout_s:.0f} s", file=sys.stderr)
         return 1
     except LookupError as exc:
         print(f"fedctl: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    except admin.Refused as exc:
+        print(f"fedctl: refused: {exc}", file=sys.stderr)
         return 2
     except admin.NoReplica as exc:
         print(f"fedctl: {exc}", file=sys.stderr)
@@ -391,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "ca":
             return cmd_ca(args)
         return cmd_up(args) if args.command == "up" else cmd_status(args)
-    except ConfigError as exc:
+    except (ConfigError, pki.PkiError) as exc:
         print(f"fedctl: {exc}", file=sys.stderr)
         return 2
 

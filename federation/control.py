@@ -28,10 +28,19 @@ class NotRunning(OSError):
     """No `fedctl up` of this config answers on its control socket."""
 
 
+def _runtime_dir() -> Path:
+    return Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
+
+
 def socket_path(config: Config) -> Path:
     """One per gateway port: two federations on one machine have two sockets."""
-    runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return Path(runtime_dir) / f"inference-federation-{config.gateway_port}.sock"
+    return _runtime_dir() / f"inference-federation-{config.gateway_port}.sock"
+
+
+def tls_dir(config: Config) -> Path:
+    """Where the embedded federation of this config keeps the CA made for its run, and the
+    operator's certificate `fedctl` commands on this machine use (its user's only)."""
+    return _runtime_dir() / f"inference-federation-{config.gateway_port}.tls"
 
 
 class ControlServer:

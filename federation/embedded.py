@@ -9,6 +9,7 @@ import dataclasses
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -19,35 +20,60 @@ import grpc
 
 from core import wire
 from core.config import JOIN_TOKEN_ENV, Config, SiteConfig
+from core.mtls import INSECURE, INSECURE_WARNING, Tls
+from core.pki import Identity, Role
 from core.processes import Child, StartFailed, start_python
 from core.settings import to_json
+from federation import control
 from federation.admin import fetch_state
 from federation.gateway import metrics
+from federation.throwaway_ca import ThrowawayCa
 
-READY_WAIT_S = 60.0  # sites must report ready within this long after their agents start
+READY_WAIT_S = 60.0
+SCHEDULER, GATEWAY = (
+    Identity(Role.SCHEDULER),
+    Identity(Role.GATEWAY),
+)  # sites must report ready within this long after their agents start
 
 
 class Federation:
-    """The processes of one federation on this machine, started in dependency order."""
+    """The processes of one federation on this machine, started in dependency order, speaking
+    mutual TLS under a CA made for the run (`insecure`: plaintext, sites joining with a join
+    credential instead)."""
 
-    def __init__(self, config: Config, log: IO[str] | None = None, *, scheduler_links: bool = False) -> None:
+    def __init__(
+        self, config: Config, log: IO[str] | None = None, *, scheduler_links: bool = False, insecure: bool = False
+    ) -> None:
         self.config = _pinging_past_the_links(config)
         self.log = log  # where the processes' log lines go (default: our stderr)
         # Every path to a scheduler replica through a link of ours, its region's round trip or
         # 0 ms (a drill can then drop a replica's packets for everyone: scheduler-blackhole).
         self.scheduler_links = scheduler_links
         self.children: list[Child] = []
-        # The credential its sites join with: the operator's (FEDERATION_JOIN_TOKEN), or one
-        # made for this run, so no process that was not given it can join.
-        self.join_token = os.environ.get(JOIN_TOKEN_ENV) or secrets.token_urlsafe(24)
+        # Where `fedctl` commands on this machine find the operator's certificate.
+        self.ca = None if insecure else ThrowawayCa(control.tls_dir(self.config), self.config.host)
+        self.operator: Tls = self.ca.operator if self.ca else INSECURE
+        # Plaintext: the credential its sites join with, the operator's (FEDERATION_JOIN_TOKEN)
+        # or one made for this run, so no process that was not given it can join.
+        self.join_token = "" if self.ca else os.environ.get(JOIN_TOKEN_ENV) or secrets.token_urlsafe(24)
         self._metrics_dir = ""  # the gateway processes' shared counters, when there are several
+
+    def tls_flags(self, identity: Identity) -> list[str]:
+        """What a process of this federation serving or calling as `identity` is started with."""
+        return self.ca.flags(identity) if self.ca else ["--insecure"]
 
     def child(self, name: str) -> Child:
         """The process started as `name` ("scheduler 0", "agent kr-mi300x", "gateway", ...)."""
         return next(c for c in self.children if c.name == name)
 
-    def _start(self, name: str, module: str, args: list[str], env: dict[str, str] | None = None) -> Child:
-        env = {JOIN_TOKEN_ENV: self.join_token, **(env or {})}
+    def _start(
+        self, name: str, module: str, args: list[str], env: dict[str, str] | None = None, as_: Identity | None = None
+    ) -> Child:
+        """Start a process; `as_`: the identity it serves and calls as (a WAN link has none)."""
+        if as_ is not None:
+            args = [*args, *self.tls_flags(as_)]
+            if self.join_token:
+                env = {JOIN_TOKEN_ENV: self.join_token, **(env or {})}
         child = start_python(name, module, args, log=self.log, env=env)
         self.children.append(child)
         return child
@@ -65,8 +91,10 @@ class Federation:
     def up(self) -> None:
         c = self.config
         rtt_args = self._rtt_args()
+        if self.ca is None:
+            print(f"fedctl: {INSECURE_WARNING}", file=self.log or sys.stderr, flush=True)
         for i in range(c.scheduler_replicas):
-            self._start(f"scheduler {i}", "scheduler", self._scheduler_args(i))
+            self._start(f"scheduler {i}", "scheduler", self._scheduler_args(i), as_=SCHEDULER)
         for site in c.sites:
             self._start_site(site)
         gateway_args = ["--host", c.host, "--port", str(c.gateway_port), "--model", c.model, "--policy", c.policy]
@@ -80,7 +108,7 @@ class Federation:
             shared, env = ["--reuse-port"], {metrics.MULTIPROCESS_DIR_ENV: self._metrics_dir}
         for i in range(c.gateway_processes):
             name = f"gateway {i}" if shared else "gateway"
-            self._start(name, "federation.gateway", [*gateway_args, *shared], env)
+            self._start(name, "federation.gateway", [*gateway_args, *shared], env, as_=GATEWAY)
         self._wait_sites_ready({s.name for s in c.sites})
 
     def restart_scheduler(self, replica: int) -> None:
@@ -91,7 +119,7 @@ class Federation:
         old.proc.kill()
         old.proc.wait()
         self.children.remove(old)
-        self._start(name, "scheduler", self._scheduler_args(replica))
+        self._start(name, "scheduler", self._scheduler_args(replica), as_=SCHEDULER)
 
     def _scheduler_args(self, replica: int) -> list[str]:
         c = self.config
@@ -156,6 +184,7 @@ class Federation:
                 *(["--emulator-port", str(site.worker_port)] if site.worker_port else []),
                 *_timings_args(c.timings.agent),
             ],
+            as_=Identity(Role.SITE, site.name),
         )
 
     def add_site(self, site: SiteConfig) -> None:
@@ -194,7 +223,7 @@ class Federation:
         while time.monotonic() < deadline:
             try:
                 everywhere = [
-                    {s.name for s in fetch_state(address).sites if s.status is wire.SiteStatus.READY}
+                    {s.name for s in fetch_state(address, self.operator).sites if s.status is wire.SiteStatus.READY}
                     for address in self.config.scheduler_addresses
                 ]
             except grpc.RpcError:
@@ -212,12 +241,14 @@ class Federation:
             child.stop()
         if self._metrics_dir:
             shutil.rmtree(self._metrics_dir, ignore_errors=True)
+        if self.ca is not None:
+            self.ca.remove()
 
 
 @contextmanager
-def running(config: Config, log: IO[str] | None = None) -> Iterator[str]:
+def running(config: Config, log: IO[str] | None = None, *, insecure: bool = False) -> Iterator[str]:
     """A started federation's endpoint (…/v1); every process stops when the block ends."""
-    federation = Federation(config, log)
+    federation = Federation(config, log, insecure=insecure)
     try:
         federation.up()
         yield config.gateway_url + "/v1"

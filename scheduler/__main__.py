@@ -1,7 +1,9 @@
-"""`python -m scheduler --port 50051 --model openai/gpt-oss-120b [--rtt-ms A:B=130 ...]`
+"""`python -m scheduler --port 50051 --model openai/gpt-oss-120b --ca CA --cert CERT --key KEY [--rtt-ms A:B=130 ...]`
 
-Sites join only with the credential in FEDERATION_JOIN_TOKEN, when it is set (an environment
-variable, not a flag: command lines are visible to every user of the machine)."""
+Serves mutual TLS with a `scheduler` certificate and takes each call only from the roles that
+may make it (`core.authz`); `--insecure` serves plaintext instead, and then sites join only with
+the credential in FEDERATION_JOIN_TOKEN, when it is set (an environment variable, not a flag:
+command lines are visible to every user of the machine)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import sys
 import grpc
 import structlog
 
-from core import runtime, wire
+from core import mtls, runtime, wire
+from core.authz import Guard
 from core.config import JOIN_TOKEN_ENV
+from core.pki import Identity, Role
 from core.policy import POLICIES
 from core.settings import SchedulerTimings, add_timings_argument
 from scheduler.service import SchedulerService
@@ -36,20 +40,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--rtt-ms", type=runtime.rtt_arg, action="append", default=[], help="REGION:REGION=MS, repeatable")
     add_timings_argument(p, SchedulerTimings)
-    return p.parse_args(argv)
+    mtls.add_arguments(p, "scheduler")
+    args = p.parse_args(argv)
+    args.tls = mtls.from_arguments(p, args, Identity(Role.SCHEDULER))
+    return args
 
 
 async def serve(args: argparse.Namespace) -> int:
     rtt = runtime.rtt_map(args.rtt_ms)
     credential = os.environ.get(JOIN_TOKEN_ENV, "")
     service = SchedulerService(
-        args.model, rtt, args.policy, tokenizer=args.tokenizer, join_credential=credential, timings=args.timings
+        args.model,
+        rtt,
+        args.policy,
+        tokenizer=args.tokenizer,
+        join_credential=credential,
+        timings=args.timings,
+        guard=Guard(args.tls),
     )
     server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
     wire.add_scheduler_to_server(service, server)
     address = f"{args.host}:{args.port}"
+    mtls.warn_if_insecure(args.tls, log)
     try:
-        server.add_insecure_port(address)
+        args.tls.listen(server, address)
     except RuntimeError as exc:
         log.error("scheduler.bind_failed", address=address, error=str(exc))
         return 1

@@ -13,6 +13,7 @@ import grpc
 import structlog
 
 from core import wire
+from core.authz import UNGUARDED, Guard
 from core.credential import presented
 from core.policy import POLICIES, RouteContext
 from core.settings import SchedulerTimings
@@ -41,8 +42,10 @@ class SchedulerService(wire.SchedulerServicer):
         tokenizer: str = "",
         join_credential: str = "",
         timings: SchedulerTimings = SchedulerTimings(),
+        guard: Guard = UNGUARDED,
     ) -> None:
         self.timings = timings
+        self.guard = guard
         self.registry = Registry(model, timings, tokenizer)
         self.join_credential = join_credential  # "": any site may join (a federation on one machine)
         self.rtt_s = dict(rtt_s)
@@ -70,6 +73,7 @@ class SchedulerService(wire.SchedulerServicer):
 
     async def RegisterSite(self, request, context):
         reg = wire.registration_from_pb(request)
+        await self.guard.admit(context, "RegisterSite", site=reg.name)
         if not presented(context, self.join_credential):
             reason = f"site {reg.name!r} did not present this federation's join credential"
             self.registry.refuse(reg.name, reason)
@@ -95,10 +99,11 @@ class SchedulerService(wire.SchedulerServicer):
 
     async def Report(self, request_iterator, context):
         """Reports in, commands out. The stream's end marks the site down at once."""
+        await self.guard.admit(context, "Report")
         if not presented(context, self.join_credential):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "reports need this federation's join credential")
         commands: asyncio.Queue[wire.SchedulerCommand] = asyncio.Queue()
-        reader = asyncio.ensure_future(self._read_reports(request_iterator, commands))
+        reader = asyncio.ensure_future(self._read_reports(request_iterator, commands, context))
         getter: asyncio.Future[wire.SchedulerCommand] | None = None
         try:
             while True:
@@ -115,12 +120,17 @@ class SchedulerService(wire.SchedulerServicer):
                 if task is not None:
                     task.cancel()
 
-    async def _read_reports(self, request_iterator, commands: asyncio.Queue[wire.SchedulerCommand]) -> None:
+    async def _read_reports(
+        self, request_iterator, commands: asyncio.Queue[wire.SchedulerCommand], context: grpc.aio.ServicerContext
+    ) -> None:
         name: str | None = None
         try:
             async for msg in request_iterator:
                 report = wire.report_from_pb(msg)
                 if name is None:
+                    refused = self.guard.refusal(context, "Report", site=report.site)
+                    if refused is not None:
+                        raise _StreamRefused(*refused)
                     if report.site not in self.registry.sites:
                         raise _StreamRefused(grpc.StatusCode.NOT_FOUND, f"site {report.site!r} is not registered")
                     name = report.site
@@ -139,6 +149,7 @@ class SchedulerService(wire.SchedulerServicer):
                 log.warning("site.down", site=name, reason="report stream ended")
 
     async def Route(self, request, context):
+        await self.guard.admit(context, "Route")
         req = wire.route_request_from_pb(request)
         decision = self.policy(self.registry.routable(), req, RouteContext(self.rtt_s, self._decisions))
         if decision is None:
@@ -153,15 +164,18 @@ class SchedulerService(wire.SchedulerServicer):
         return wire.FederationState(self.registry.states(), self.registry.model, tuple(self.registry.refused.values()))
 
     async def GetState(self, request, context):
+        await self.guard.admit(context, "GetState")
         return wire.federation_state_to_pb(self._state())
 
     async def WatchState(self, request, context) -> AsyncIterator:
+        await self.guard.admit(context, "WatchState")
         interval = max(wire.state_request_from_pb(request), 0.05)
         while True:
             yield wire.federation_state_to_pb(self._state())
             await asyncio.sleep(interval)
 
     async def _admin(self, request, context, command: wire.Command):
+        await self.guard.admit(context, f"{command.name.title()}Site")
         name = wire.site_ref_from_pb(request)
         try:
             if command is wire.Command.REMOVE:

@@ -31,7 +31,7 @@ async def test_requests_beyond_the_workers_limits_wait_at_the_agent_and_all_comp
         ["--profile", "mi355x", "--workers", "2", "--speed", "20", "--max-running-requests", str(RUNNING_LIMIT)]
     )
     port = free_port_block(1)
-    agent_args = ["--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "2", "--port", str(port)]
+    agent_args = ["--insecure", "--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "2", "--port", str(port)]
     agent_args += ["--scheduler", f"127.0.0.1:{free_port_block(1)}"]  # nobody there: the agent keeps retrying
     for url in emulator.urls:
         agent_args += ["--worker-url", url]
@@ -51,7 +51,7 @@ async def test_requests_beyond_the_workers_limits_wait_at_the_agent_and_all_comp
                     nonlocal tokens
                     tokens = delta.completion_tokens
 
-                stream = upstream.start(f"127.0.0.1:{port}", req, deliver)
+                stream = upstream.start("s", f"127.0.0.1:{port}", req, deliver)
                 try:
                     async with asyncio.timeout(60):
                         await stream.done
@@ -88,7 +88,7 @@ async def test_a_site_that_loses_every_worker_fails_its_queue_at_once() -> None:
         ["--profile", "mi355x", "--workers", "2", "--speed", "1", "--max-running-requests", str(RUNNING_LIMIT)]
     )
     port = free_port_block(1)
-    agent_args = ["--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "2", "--port", str(port)]
+    agent_args = ["--insecure", "--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "2", "--port", str(port)]
     agent_args += ["--scheduler", f"127.0.0.1:{free_port_block(1)}"]
     for url in emulator.urls:
         agent_args += ["--worker-url", url]
@@ -99,7 +99,7 @@ async def test_a_site_that_loses_every_worker_fails_its_queue_at_once() -> None:
             wire.GenerateRequest(f"w{i}", 8, {"max_new_tokens": 2000, "ignore_eos": True}, input_ids=tuple(range(8)))
             for i in range(REQUESTS)
         ]
-        streams = [upstream.start(f"127.0.0.1:{port}", r, lambda s, d: None) for r in req]
+        streams = [upstream.start("s", f"127.0.0.1:{port}", r, lambda s, d: None) for r in req]
         async with asyncio.timeout(30):
             await asyncio.wait([s.first for s in streams], return_when=asyncio.FIRST_COMPLETED)
         await asyncio.sleep(1.0)  # the workers hold their limits plus headroom; the rest wait at the agent

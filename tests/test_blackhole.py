@@ -11,6 +11,7 @@ import time
 import aiohttp
 import pytest
 
+from core.pki import Identity, Role
 from core.processes import free_port_block, start_python
 from federation.linkproxy import BLACKHOLE_SIGNAL, Link, LinkProxy
 from tests.test_federation import MODEL
@@ -37,6 +38,7 @@ async def test_blackholed_scheduler_replicas_are_routed_around_then_degraded(mak
     port = free_port_block(1)
     args = ["--host", host, "--port", str(port), "--model", MODEL]
     args += [arg for p in proxies for arg in ("--scheduler", f"{host}:{p.port}")]
+    args += fed.tls_flags(Identity(Role.GATEWAY))
     gateway = start_python("gateway behind blackholes", "federation.gateway", args)
     url = f"http://{host}:{port}"
     failures: list[str] = []

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from core import wire
+from core.mtls import INSECURE
 from core.processes import free_port_block, start_python
 from federation.admin import fetch_state
 from nodes.emulator.launch import launch
@@ -21,18 +22,30 @@ def test_a_site_declared_mi355x_with_mi300x_workers_starts_near_mi300x_capacity(
     """Two workers that run like MI300X, declared as MI355X: before any traffic the site's
     capacity is near two MI300X's (at the emulated speed), less than half the declared."""
     scheduler_port, agent_port = free_port_block(1), free_port_block(1)
-    children = [start_python("scheduler", "scheduler", ["--port", str(scheduler_port)])]
+    children = [start_python("scheduler", "scheduler", ["--insecure", "--port", str(scheduler_port)])]
     try:
         emulator = launch(["--profile", "mi300x", "--workers", "2", "--speed", str(SPEED)])
         children.append(emulator)
-        args = ["--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "2", "--port", str(agent_port)]
+        args = [
+            "--insecure",
+            "--site",
+            "s",
+            "--region",
+            "r",
+            "--gpu",
+            "mi355x",
+            "--gpus",
+            "2",
+            "--port",
+            str(agent_port),
+        ]
         args += ["--scheduler", f"127.0.0.1:{scheduler_port}"]
         for url in emulator.urls:
             args += ["--worker-url", url]
         children.append(start_python("agent", "nodes.agent", args))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            sites = fetch_state(f"127.0.0.1:{scheduler_port}").sites
+            sites = fetch_state(f"127.0.0.1:{scheduler_port}", INSECURE).sites
             if sites and sites[0].status is wire.SiteStatus.READY:
                 break
             time.sleep(0.1)

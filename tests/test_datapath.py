@@ -31,12 +31,12 @@ def endpoint() -> Iterator[str]:
     agent_port, gateway_port = scheduler_port + 1, scheduler_port + 2
     children: list[Child] = []
     try:
-        children.append(start_python("scheduler", "scheduler", ["--port", str(scheduler_port)]))
-        agent = ["--site", "us", "--region", "us-west-2", "--gpu", "mi355x", "--gpus", "1"]
+        children.append(start_python("scheduler", "scheduler", ["--insecure", "--port", str(scheduler_port)]))
+        agent = ["--insecure", "--site", "us", "--region", "us-west-2", "--gpu", "mi355x", "--gpus", "1"]
         agent += ["--port", str(agent_port), "--scheduler", f"127.0.0.1:{scheduler_port}"]
         agent += ["--worker-url", emulator.urls[0], "--coalesce-ms", str(WINDOW_MS)]
         children.append(start_python("agent", "nodes.agent", agent))
-        gateway = ["--port", str(gateway_port), "--scheduler", f"127.0.0.1:{scheduler_port}"]
+        gateway = ["--insecure", "--port", str(gateway_port), "--scheduler", f"127.0.0.1:{scheduler_port}"]
         children.append(start_python("gateway", "federation.gateway", gateway))
         _wait_ready(f"http://127.0.0.1:{gateway_port}")
         yield f"http://127.0.0.1:{gateway_port}"

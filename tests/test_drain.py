@@ -56,7 +56,7 @@ async def _stream(http: aiohttp.ClientSession, url: str, max_tokens: int) -> tup
 async def _until_draining_everywhere(fed: Federation, site: str) -> None:
     """Until every scheduler replica has the site draining (the command is a process starting)."""
     while True:
-        states = [await asyncio.to_thread(fetch_state, a) for a in fed.config.scheduler_addresses]
+        states = [await asyncio.to_thread(fetch_state, a, fed.operator) for a in fed.config.scheduler_addresses]
         if all(s.status is SiteStatus.DRAINING for state in states for s in state.sites if s.name == site):
             return
         await asyncio.sleep(0.1)
@@ -88,7 +88,7 @@ async def test_drain_undrain_remove(tmp_path: Path) -> None:
             assert (await _stream(http, url, 4))[0] == "kr-mi300x"
             removed = await _fedctl(path, "site", "remove", "kr-mi300x")
             assert removed.returncode == 0, removed.stderr
-            assert [s.name for s in fetch_state(fed.config.scheduler_addresses[0]).sites] == ["us-mi355x"]
+            assert [s.name for s in fetch_state(fed.config.scheduler_addresses[0], fed.operator).sites] == ["us-mi355x"]
             missing = await _fedctl(path, "site", "drain", "nowhere")
             assert missing.returncode == 2 and "no site named 'nowhere'" in missing.stderr
     finally:
@@ -101,18 +101,18 @@ def test_a_restarted_replica_keeps_a_drained_site_drained_and_a_removed_one_out(
     sites, and must hear from them that one is draining and not take a removed one back."""
     fed, _ = make_federation(scheduler="replicas: 2")
     addresses = list(fed.config.scheduler_addresses)
-    admin.drain(addresses, "kr-mi300x")
+    admin.drain(addresses, fed.operator, "kr-mi300x")
     fed.restart_scheduler(1)
     at_restarted = [addresses[1]]
 
     def status(site: str) -> wire.SiteStatus | None:
-        state, _ = admin.replicas_state(at_restarted)
+        state, _ = admin.replicas_state(at_restarted, fed.operator)
         return next((s.status for s in state.sites if s.name == site), None) if state else None
 
     assert poll_until(lambda: status("us-mi355x") is wire.SiteStatus.READY, 20.0) is not None
     assert poll_until(lambda: status("kr-mi300x") not in (None, wire.SiteStatus.JOINING), 10.0) is not None
     assert status("kr-mi300x") is wire.SiteStatus.DRAINING
-    admin.remove(addresses, "kr-mi300x")
+    admin.remove(addresses, fed.operator, "kr-mi300x")
     fed.restart_scheduler(1)
     assert poll_until(lambda: status("us-mi355x") is wire.SiteStatus.READY, 20.0) is not None
     time.sleep(2.0)  # a removed site that re-registered would be back by now

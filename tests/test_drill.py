@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from core.pki import Identity, Role
 from tests.conftest import SITES, fedctl
 from tests.test_federation import _config
 
@@ -67,12 +68,16 @@ def test_site_crash_drill_loses_nothing(tmp_path: Path) -> None:
 def test_a_running_federation_is_drilled_with_the_operators_command(tmp_path: Path, make_federation) -> None:
     """`--endpoint` drills a federation the drill did not start: the operator's `--inject`
     command kills Korea's agent, the drill finds the schedulers through the gateway's /health,
-    sees the crash within a second, and no request is lost."""
+    sees the crash within a second, and no request is lost. It presents the operator's
+    certificate it is given."""
     fed, _ = make_federation(scheduler="replicas: 2")
     agent = fed.child("agent kr-mi300x").proc.pid
     inject = f'test "$FEDCTL_DRILL_SITE" = kr-mi300x && kill -9 {agent}'
     proc = _fedctl_drill(
-        tmp_path, "site-crash", "--endpoint", fed.config.gateway_url, "--speed", "10", "--inject", inject
+        tmp_path,
+        "site-crash",
+        *("--endpoint", fed.config.gateway_url, "--speed", "10", "--inject", inject),
+        *fed.tls_flags(Identity(Role.OPERATOR)),  # what the operator presents to the schedulers
     )
     report = _report(tmp_path, proc)
     assert report["site"] == "kr-mi300x" and not fed.child("agent kr-mi300x").alive()

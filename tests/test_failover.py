@@ -15,12 +15,15 @@ import openai
 import pytest
 
 from core import tokens
+from core.pki import Identity, Role
 from core.processes import free_port_block, start_python
 from federation import admin
 from federation.drills.sampler import gateway_counters, site_tokens
 from federation.embedded import Federation
 from tests.conftest import SITES, fedctl
 from tests.test_federation import MODEL
+
+GATEWAY = Identity(Role.GATEWAY)
 
 
 def _endpoint(fed: Federation) -> str:
@@ -158,12 +161,12 @@ async def test_the_time_a_site_held_a_request_is_not_in_its_retry_budget(make_fe
     fed, _ = make_federation(rtt_ms=1500)
     schedulers = list(fed.config.scheduler_addresses)
     port = free_port_block(1)
-    args = ["--port", str(port), "--model", MODEL, "--retry-budget-s", "0.2"]
+    args = ["--port", str(port), "--model", MODEL, "--retry-budget-s", "0.2", *fed.tls_flags(GATEWAY)]
     gateway = start_python(
         "gateway", "federation.gateway", [*args, *(a for s in schedulers for a in ("--scheduler", s))]
     )
     try:
-        assert await asyncio.to_thread(admin.drain, schedulers, "us-mi355x") == schedulers
+        assert await asyncio.to_thread(admin.drain, schedulers, fed.operator, "us-mi355x") == schedulers
         async with openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0
         ) as client:
@@ -171,7 +174,7 @@ async def test_the_time_a_site_held_a_request_is_not_in_its_retry_budget(make_fe
                 client.completions.create(model=MODEL, prompt="far", max_tokens=8, extra_body={"ignore_eos": True})
             )
             await asyncio.sleep(0.4)  # on its way to Korea, 0.75 s each way
-            assert await asyncio.to_thread(admin.drain, schedulers, "us-mi355x", False) == schedulers
+            assert await asyncio.to_thread(admin.drain, schedulers, fed.operator, "us-mi355x", False) == schedulers
             fed.child("agent kr-mi300x").proc.send_signal(signal.SIGKILL)
             assert (await answer).usage.completion_tokens == 8
         counters = gateway_counters(f"http://127.0.0.1:{port}/metrics")

@@ -20,8 +20,8 @@ SITE = "kr-mi300x"
 HEARTBEAT_S = 1.0  # the schedulers' rule: one report-less second and a site is down
 
 
-def _status(addresses) -> wire.SiteStatus:
-    state, _ = admin.replicas_state(addresses)
+def _status(addresses, operator) -> wire.SiteStatus:
+    state, _ = admin.replicas_state(addresses, operator)
     assert state is not None
     return next(s.status for s in state.sites if s.name == SITE)
 
@@ -34,19 +34,19 @@ def test_a_paused_agent_stays_up_and_a_hung_one_goes_down(make_federation) -> No
     fed, _ = make_federation()
     addresses = list(fed.config.scheduler_addresses)
     agent = fed.child(f"agent {SITE}").proc
-    assert _status(addresses) is wire.SiteStatus.READY
+    assert _status(addresses, fed.operator) is wire.SiteStatus.READY
     agent.send_signal(signal.SIGSTOP)
     try:
         time.sleep(2 * HEARTBEAT_S)
-        assert _status(addresses) is wire.SiteStatus.READY
+        assert _status(addresses, fed.operator) is wire.SiteStatus.READY
         down_after_s = poll_until(
-            lambda: _status(addresses) is wire.SiteStatus.DOWN, AgentTimings().loop_stall_limit_s + 5
+            lambda: _status(addresses, fed.operator) is wire.SiteStatus.DOWN, AgentTimings().loop_stall_limit_s + 5
         )
         assert down_after_s is not None
         assert 2 * HEARTBEAT_S + down_after_s >= AgentTimings().loop_stall_limit_s
     finally:
         agent.send_signal(signal.SIGCONT)
-    assert poll_until(lambda: _status(addresses) is wire.SiteStatus.READY, 5.0) is not None
+    assert poll_until(lambda: _status(addresses, fed.operator) is wire.SiteStatus.READY, 5.0) is not None
 
 
 @pytest.mark.timeout(120)
@@ -73,7 +73,7 @@ def test_a_scheduler_that_always_lags_still_marks_a_silent_site_down(make_federa
     for p in silent:
         p.suspend()  # its reporter: the site's reports stop, its connections stay open
     try:
-        down_after_s = poll_until(lambda: _status(addresses) is wire.SiteStatus.DOWN, 30.0)
+        down_after_s = poll_until(lambda: _status(addresses, fed.operator) is wire.SiteStatus.DOWN, 30.0)
     finally:
         stop.set()
         lagging.join()

@@ -1,17 +1,21 @@
-"""Joining a federation: a site that does not present the federation's join credential, or
-whose workers serve another model or tokenizer, is refused with the reason, never becomes a
-site (so no request is routed to it), and `fedctl status` tells the operator why. An agent
-started without schedulers joins when `fedctl site add --agent` names them."""
+"""Joining a federation: a site whose workers serve another model or tokenizer, or (in a
+plaintext federation) that does not present the join credential, is refused with the reason,
+never becomes a site (so no request is routed to it), and `fedctl status` tells the operator
+why. An agent started without schedulers joins when `fedctl site add --agent` names them, and
+only an operator may tell it to."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
 
+from core import wire
 from core.config import JOIN_TOKEN_ENV
+from core.pki import Identity, Role
 from core.processes import Child, free_port_block, start_python
 from federation.drills.faults import poll_until
 from federation.embedded import Federation
@@ -21,25 +25,28 @@ from tests.conftest import fedctl
 NEWCOMER = "eu-mi355x"
 
 
-def _status(path: Path) -> subprocess.CompletedProcess:
-    return fedctl("status", "--config", str(path), timeout_s=30)
+def _status(path: Path, *flags: str) -> subprocess.CompletedProcess:
+    return fedctl("status", "--config", str(path), *flags, timeout_s=30)
 
 
-def _agent(fed: Federation, credential: str, *workers: str, port: int = 0, join: bool = True) -> Child:
-    """A newcomer's agent, started by hand as an operator would, pointed at the schedulers
-    (or, without `join`, waiting to be told them)."""
+def _agent(fed: Federation, *workers: str, port: int = 0, join: bool = True, credential: str = "") -> Child:
+    """A newcomer's agent, started by hand as an operator would, with its site's certificate
+    from the federation's CA (plaintext with `credential` in an --insecure one), pointed at
+    the schedulers (or, without `join`, waiting to be told them)."""
     schedulers = [arg for address in fed.config.scheduler_addresses for arg in ("--scheduler", address)]
     args = ["--site", NEWCOMER, "--region", "eu-central-1", "--gpu", "mi355x", "--gpus", "1"]
     args += ["--port", str(port or free_port_block(1)), *(schedulers if join else []), *workers]
+    args += fed.tls_flags(Identity(Role.SITE, NEWCOMER))
     return start_python(f"agent {NEWCOMER}", "nodes.agent", args, env={JOIN_TOKEN_ENV: credential})
 
 
-def _refused_for(fed: Federation, path: Path, credential: str, *workers: str) -> str:
+def _refused_for(fed: Federation, path: Path, *workers: str, credential: str = "") -> str:
     """Starts the newcomer, waits until `fedctl status` lists it as refused; the status text."""
-    agent = _agent(fed, credential, *workers)
+    agent = _agent(fed, *workers, credential=credential)
+    flags = () if fed.ca else ("--insecure",)
     try:
-        assert poll_until(lambda: f"refused {NEWCOMER}" in _status(path).stdout, 15.0) is not None
-        status = _status(path).stdout
+        assert poll_until(lambda: f"refused {NEWCOMER}" in _status(path, *flags).stdout, 15.0) is not None
+        status = _status(path, *flags).stdout
     finally:
         agent.stop(10)
     site_names = [line.split()[0] for line in status.splitlines()[1:] if not line.startswith(("refused", "schedulers"))]
@@ -48,10 +55,11 @@ def _refused_for(fed: Federation, path: Path, credential: str, *workers: str) ->
 
 
 @pytest.mark.timeout(120)
-def test_a_site_without_the_credential_is_refused(make_federation) -> None:
-    """An agent with a wrong credential gets UNAUTHENTICATED and is shown as refused."""
-    fed, path = make_federation()
-    status = _refused_for(fed, path, "not-the-credential", "--emulate", "--speed", "10")
+def test_a_site_without_the_credential_is_refused_by_a_plaintext_federation(make_federation) -> None:
+    """--insecure: no certificates, so the join credential is the check. An agent with a wrong
+    one gets UNAUTHENTICATED and is shown as refused."""
+    fed, path = make_federation(insecure=True)
+    status = _refused_for(fed, path, "--emulate", "--speed", "10", credential="not-the-credential")
     assert "did not present this federation's join credential" in status
 
 
@@ -59,7 +67,7 @@ def test_a_site_without_the_credential_is_refused(make_federation) -> None:
 def test_a_site_serving_another_model_is_refused(make_federation) -> None:
     """Workers that serve another model: the agent registers what they serve, and is refused."""
     fed, path = make_federation()
-    status = _refused_for(fed, path, fed.join_token, "--emulate", "--speed", "10", "--model", "someone/other-model")
+    status = _refused_for(fed, path, "--emulate", "--speed", "10", "--model", "someone/other-model")
     assert "serves 'someone/other-model', but this federation serves 'openai/gpt-oss-120b'" in status
 
 
@@ -69,37 +77,41 @@ def test_a_site_with_another_tokenizer_is_refused(make_federation) -> None:
     fed, path = make_federation()
     workers = launch(["--profile", "mi355x", "--workers", "1", "--speed", "10", "--tokenizer-path", "someone/tok"])
     try:
-        status = _refused_for(fed, path, fed.join_token, "--worker-url", workers.urls[0])
+        status = _refused_for(fed, path, "--worker-url", workers.urls[0])
     finally:
         workers.stop()
     assert "tokenizes with 'someone/tok'" in status
 
 
-def _add_agent(path: Path, port: int, credential: str, gpus: int = 1) -> subprocess.CompletedProcess:
+def _add_agent(path: Path, port: int, gpus: int = 1) -> subprocess.CompletedProcess:
     site = ["--name", NEWCOMER, "--region", "eu-central-1", "--gpu", "mi355x", "--gpus", str(gpus)]
-    return fedctl(
-        "site", "add", "--config", str(path), *site, "--agent", f"127.0.0.1:{port}", env={JOIN_TOKEN_ENV: credential}
-    )
+    return fedctl("site", "add", "--config", str(path), *site, "--agent", f"127.0.0.1:{port}")
 
 
 @pytest.mark.timeout(150)
-def test_an_agent_started_alone_joins_when_added(make_federation) -> None:
-    """An agent started without schedulers waits. `fedctl site add --agent` without its credential,
-    or naming another site, is refused with the reason and changes nothing; with both right, the
-    site becomes ready at every replica and serves the endpoint's requests (the others drained);
-    adding it again is a no-op."""
+def test_an_agent_started_alone_joins_when_an_operator_adds_it(make_federation) -> None:
+    """An agent started without schedulers waits. A Join from a gateway's certificate, or one
+    naming another site, is refused with the reason and changes nothing; the operator's
+    `fedctl site add --agent` makes the site ready at every replica and it serves the
+    endpoint's requests (the others drained); adding it again is a no-op."""
     fed, path = make_federation()
     port = free_port_block(1)
-    agent = _agent(fed, fed.join_token, "--emulate", "--speed", "10", port=port, join=False)
+    agent = _agent(fed, "--emulate", "--speed", "10", port=port, join=False)
     try:
-        wrong = _add_agent(path, port, "not-the-credential")
-        assert wrong.returncode == 2 and "did not present this site's join credential" in wrong.stderr, wrong.stderr
-        other = _add_agent(path, port, fed.join_token, gpus=2)
+        assert fed.ca is not None
+        request = wire.JoinRequest(tuple(fed.config.scheduler_addresses), NEWCOMER, "eu-central-1", "mi355x", 1)
+        gateway = fed.ca.tls(Identity(Role.GATEWAY))
+        with gateway.sync_channel(f"127.0.0.1:{port}", Identity(Role.SITE, NEWCOMER)) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                wire.SiteAgentStub(channel).Join(wire.join_request_to_pb(request), timeout=10)
+        assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert refused.value.details() == "gateway may not call Join"
+        other = _add_agent(path, port, gpus=2)
         assert other.returncode == 2, other.stderr
         assert "runs site 'eu-mi355x' (1 x mi355x in eu-central-1), not 'eu-mi355x' (2 x mi355x" in other.stderr
         assert NEWCOMER not in _status(path).stdout
 
-        added = _add_agent(path, port, fed.join_token)
+        added = _add_agent(path, port)
         assert added.returncode == 0 and f"{NEWCOMER}: joined, agent at 127.0.0.1:{port}" in added.stdout, added.stderr
         for name in ("kr-mi300x", "us-mi355x"):
             assert fedctl("site", "drain", "--config", str(path), name).returncode == 0
@@ -109,6 +121,6 @@ def test_an_agent_started_alone_joins_when_added(make_federation) -> None:
                 model=fed.config.model, prompt="Hello", max_tokens=20, extra_body={"ignore_eos": True}
             )
         assert raw.headers["x-federation-site"] == NEWCOMER and raw.parse().usage.completion_tokens == 20
-        assert _add_agent(path, port, fed.join_token).returncode == 0
+        assert _add_agent(path, port).returncode == 0
     finally:
         agent.stop(10)

@@ -22,7 +22,7 @@ CALLS = 3_000  # their request ids alone are ~100 KB: more than a pipe holds
 async def test_a_hung_reporter_does_not_block_the_agent() -> None:
     emulator = launch(["--profile", "mi355x", "--workers", "1", "--speed", "50"])
     port = free_port_block(1)
-    args = ["--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "1", "--port", str(port)]
+    args = ["--insecure", "--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "1", "--port", str(port)]
     args += ["--scheduler", f"127.0.0.1:{free_port_block(1)}", "--worker-url", emulator.urls[0]]
     agent = start_python("agent", "nodes.agent", args)
     reporter = next(p for p in psutil.Process(agent.pid).children() if "spawn_main" in " ".join(p.cmdline()))
@@ -34,7 +34,7 @@ async def test_a_hung_reporter_does_not_block_the_agent() -> None:
             req = wire.GenerateRequest(
                 f"a-request-id-long-enough-to-fill-a-pipe-{i:06d}", 4, {"max_new_tokens": 1}, input_ids=(1, 2, 3, 4)
             )
-            stream = upstream.start(f"127.0.0.1:{port}", req, lambda s, d: None)
+            stream = upstream.start("s", f"127.0.0.1:{port}", req, lambda s, d: None)
             try:
                 await stream.done
             finally:

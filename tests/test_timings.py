@@ -20,7 +20,9 @@ def test_a_scheduler_tells_sites_the_report_interval_it_was_given() -> None:
     """The scheduler's report interval (what a registering site is told) is its timings'."""
     port = free_port_block(1)
     timings = SchedulerTimings(report_interval_s=0.4, heartbeat_timeout_s=1.6)
-    scheduler = start_python("scheduler", "scheduler", ["--port", str(port), "--timings", to_json(timings)])
+    scheduler = start_python(
+        "scheduler", "scheduler", ["--insecure", "--port", str(port), "--timings", to_json(timings)]
+    )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             registration = wire.SiteRegistration("s", "r", "mi300x", 1, "127.0.0.1:9", "openai/gpt-oss-120b")
@@ -33,10 +35,13 @@ def test_a_scheduler_tells_sites_the_report_interval_it_was_given() -> None:
 def test_a_wrong_timing_is_refused_at_start_with_its_name() -> None:
     cases = [
         (
-            ["scheduler", "--timings", '{"heartbeat_timeout_s": -1}'],
+            ["scheduler", "--insecure", "--timings", '{"heartbeat_timeout_s": -1}'],
             "heartbeat_timeout_s: Input should be greater than 0",
         ),
-        (["federation.gateway", "--scheduler", "127.0.0.1:1", "--timings", '{"route_timout_s": 1}'], "route_timout_s"),
+        (
+            ["federation.gateway", "--insecure", "--scheduler", "127.0.0.1:1", "--timings", '{"route_timout_s": 1}'],
+            "route_timout_s",
+        ),
     ]
     for (module, *args), message in cases:
         done = subprocess.run(

@@ -202,7 +202,7 @@ def _per(cpu_s: float, count: float) -> float | None:
 def run(args: argparse.Namespace, samples: Sequence[Sample], config: Config, log: IO[str]) -> dict[str, Any]:
     open_requests = args.max_in_flight or full_batches(config)
     one_way_ms = {s.name: config.rtt_between(s.region, config.gateway_region) / 2 for s in config.sites}
-    federation = Federation(config, log)
+    federation = Federation(config, log, insecure=args.insecure)
     try:
         federation.up()
         endpoint = config.gateway_url + "/v1"
@@ -232,6 +232,7 @@ def run(args: argparse.Namespace, samples: Sequence[Sample], config: Config, log
     return {
         "benchmark": "datapath",
         "stream_interval": config.stream_interval,
+        "tls": not args.insecure,  # mutual TLS on every gRPC hop of the federation's phases
         "speed": config.speed,
         "open_requests": open_requests,
         "sites": {s.name: f"{s.gpus} x {s.gpu}" for s in config.sites},

@@ -119,6 +119,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="CPU per token per hop at SGLang's per-token pace, and the sglang-router's in the same run "
         "(see federation/bench/datapath.py)",
     )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext gRPC between the federation's processes (default: mutual TLS), to measure what TLS costs",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-mean", type=int, default=MLPERF_LIKE_OUTPUTS.mean)
     p.add_argument("--output-sigma", type=float, default=MLPERF_LIKE_OUTPUTS.sigma, help="log-normal spread; 0: fixed")
@@ -226,10 +231,10 @@ def _search(endpoint: str, samples, args: argparse.Namespace, speed: float, labe
     }
 
 
-def _federation(config: Config) -> Callable[[IO[str]], AbstractContextManager[tuple[str, int]]]:
+def _federation(config: Config, insecure: bool) -> Callable[[IO[str]], AbstractContextManager[tuple[str, int]]]:
     @contextlib.contextmanager
     def start(log: IO[str]) -> Iterator[tuple[str, int]]:
-        with running(config, log) as endpoint:
+        with running(config, log, insecure=insecure) as endpoint:
             yield endpoint, scenarios.MAX_IN_FLIGHT
 
     return start
@@ -271,12 +276,12 @@ def main(args: argparse.Namespace) -> int:
         report = _measure(args.endpoint.rstrip("/"), samples, args, speed, args.policy)
         return _write(report, args.json)
     config = bench_config(args.config, args.speed, args.policy, args.stream_interval)
-    report = _run_on(_federation(config), samples, args, config.speed, config.policy)
+    report = _run_on(_federation(config, args.insecure), samples, args, config.speed, config.policy)
     report["stream_interval"] = config.stream_interval  # decode steps per worker event: 1 is a real site's pace
     comparisons = {}
     for policy in args.compare:
         other = dataclasses.replace(config, policy=policy)
-        comparisons[policy] = _run_on(_federation(other), samples, args, config.speed, policy)
+        comparisons[policy] = _run_on(_federation(other, args.insecure), samples, args, config.speed, policy)
     for policy in args.peers:
         name = f"sglang-router {policy}"
         start = _router(config, policy)
@@ -303,7 +308,9 @@ def _standalone(config: Config, samples: Sequence[Sample], args: argparse.Namesp
         alone = dataclasses.replace(config, sites=(site,))
         site_args = argparse.Namespace(**{**vars(args), "max_in_flight": max(1, round(args.max_in_flight * share))})
         subset = samples[: max(1, round(len(samples) * share))]
-        out[site.name] = _run_on(_federation(alone), subset, site_args, config.speed, f"{site.name} alone")
+        out[site.name] = _run_on(
+            _federation(alone, args.insecure), subset, site_args, config.speed, f"{site.name} alone"
+        )
     return out
 
 
@@ -345,7 +352,7 @@ def _loadgen(args: argparse.Namespace, samples: list[Sample]) -> int:
     if args.endpoint:
         return _write(go(args.endpoint.rstrip("/"), args.speed or 1.0), args.json)
     config = bench_config(args.config, args.speed, args.policy, args.stream_interval)
-    with running(config) as endpoint:
+    with running(config, insecure=args.insecure) as endpoint:
         return _write({**go(endpoint, config.speed), "stream_interval": config.stream_interval}, args.json)
 
 

@@ -268,7 +268,7 @@ class Drain(Fault):
     """The operator's own `fedctl site drain`: the same on any federation, no command needed."""
 
     def inject(self) -> None:
-        admin.drain(self.target.live_schedulers(), self.site)
+        admin.drain(self.target.live_schedulers(), self.target.operator, self.site)
 
     def detected(self) -> bool:
         state = self._state()

@@ -33,8 +33,9 @@ from typing import Any
 
 import grpc
 
-from core import runtime
+from core import mtls, runtime
 from core.config import Config
+from core.pki import PkiError
 from federation import admin
 from federation.bench import scenarios
 from federation.bench.client import Result
@@ -51,6 +52,7 @@ from federation.drills.faults import (
 from federation.drills.sampler import SiteTokenSampler, gateway_counters
 from federation.drills.target import DrillError, DrillRefused, Target
 from federation.embedded import Federation
+from federation.throwaway_ca import OPERATOR
 
 # 32 emulated GPUs and ~18 k open streams at SGLang's per-token pace: at a twentieth of real
 # speed (~13 k tokens/s, ~85 µs of CPU each across the processes) they take about half of the 2
@@ -111,6 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="CMD",
         help="with --endpoint: run --heal-after-s after the fault (site-partition: heal; scheduler-crash: kill the rest)",
     )
+    mtls.add_arguments(p, "operator")  # with --endpoint
     p.add_argument(
         "--speed",
         type=runtime.positive_float,
@@ -183,6 +186,8 @@ def main(args: argparse.Namespace) -> int:
 def _refusal(args: argparse.Namespace) -> str | None:
     """Why these arguments cannot make a drill (None when they can)."""
     operator_only = [flag for flag in ("scheduler", "inject", "heal") if getattr(args, flag)]
+    if mtls.given(args):
+        operator_only.append("ca/--cert/--key/--insecure")
     if not args.endpoint:
         return f"--{operator_only[0]} needs --endpoint" if operator_only else None
     if args.config:
@@ -238,7 +243,11 @@ def _drill_endpoint(args: argparse.Namespace, site: str, samples) -> dict[str, A
     schedulers = args.scheduler or health.get("schedulers") or []
     if not schedulers:
         raise DrillRefused(f"{gateway_url} names no scheduler ({health}); give --scheduler")
-    target = Target(gateway_url, list(schedulers), inject_command=args.inject, heal_command=args.heal)
+    try:
+        operator = mtls.tls_from(args, OPERATOR)
+    except PkiError as exc:
+        raise DrillRefused(f"--endpoint: the operator's certificate: {exc}") from None
+    target = Target(gateway_url, list(schedulers), operator, inject_command=args.inject, heal_command=args.heal)
     states = target.site_states()
     if not states:
         raise DrillRefused(f"no scheduler replica answered: {', '.join(schedulers)}")

@@ -14,6 +14,7 @@ import subprocess
 from dataclasses import dataclass
 
 from core import wire
+from core.mtls import Tls
 from federation import admin
 from federation.embedded import Federation
 
@@ -32,6 +33,7 @@ class DrillRefused(DrillError):
 class Target:
     gateway_url: str  # http://host:port
     scheduler_addresses: list[str]
+    operator: Tls  # what the drill presents to the schedulers
     federation: Federation | None = None  # the embedded default, when the drill started it
     inject_command: str | None = None
     heal_command: str | None = None
@@ -39,7 +41,7 @@ class Target:
     @classmethod
     def embedded(cls, federation: Federation) -> Target:
         c = federation.config
-        return cls(c.gateway_url, list(c.scheduler_addresses), federation)
+        return cls(c.gateway_url, list(c.scheduler_addresses), federation.operator, federation)
 
     @property
     def endpoint(self) -> str:
@@ -58,7 +60,7 @@ class Target:
 
     def site_states(self) -> dict[str, wire.SiteState]:
         """The sites as the first answering replica sees them ({} when none answers)."""
-        state, _ = admin.replicas_state(self.live_schedulers())
+        state, _ = admin.replicas_state(self.live_schedulers(), self.operator)
         return {s.name: s for s in state.sites} if state else {}
 
     def gateway_health(self) -> dict:

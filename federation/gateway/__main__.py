@@ -1,4 +1,7 @@
-"""`python -m federation.gateway --port 8080 --scheduler 127.0.0.1:50051 --scheduler 127.0.0.1:50052`"""
+"""`python -m federation.gateway --port 8080 --scheduler 127.0.0.1:50051 --scheduler 127.0.0.1:50052 --ca CA --cert CERT --key KEY`
+
+Dials the schedulers and the sites' agents over mutual TLS with a `gateway` certificate (each
+must hold the certificate of what it was dialled as), or plaintext with `--insecure`."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ import sys
 import structlog
 from aiohttp import web
 
-from core import runtime, tokens
+from core import mtls, runtime, tokens
+from core.pki import Identity, Role
 from core.policy import POLICIES
 from core.settings import GatewayTimings, add_timings_argument
 from federation.gateway.app import GatewayConfig, build_app
@@ -51,7 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(degraded mode, held requests)",
     )
     add_timings_argument(p, GatewayTimings)
+    mtls.add_arguments(p, "gateway")
     args = p.parse_args(argv)
+    args.tls = mtls.from_arguments(p, args, Identity(Role.GATEWAY))
     if args.retry_budget_s is not None:
         args.timings = dataclasses.replace(args.timings, retry_budget_s=args.retry_budget_s)
     return args
@@ -69,7 +75,9 @@ async def serve(args: argparse.Namespace) -> int:
         policy=args.policy,
         rtt_s=runtime.rtt_map(args.rtt_ms),
         timings=args.timings,
+        tls=args.tls,
     )
+    mtls.warn_if_insecure(args.tls, log)
     app = build_app(config)
     # Cancel a handler when its client disconnects, so the site's work is aborted too.
     runner = web.AppRunner(

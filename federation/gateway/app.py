@@ -24,6 +24,7 @@ from aiohttp import web
 
 from core import wire
 from core.errors import BadRequest, FederationError, TooBusy
+from core.mtls import INSECURE, Tls
 from core.settings import GatewayTimings
 from federation.gateway import admission, jobs, metrics
 from federation.gateway.admission import Admission
@@ -47,6 +48,7 @@ class GatewayConfig:
     policy: str = "least_expected_delay"  # what degraded mode decides with
     rtt_s: dict[tuple[str, str], float] = field(default_factory=dict)  # and the round trips it weighs
     timings: GatewayTimings = GatewayTimings()
+    tls: Tls = INSECURE  # to the schedulers and the agents
 
 
 CONFIG_KEY = web.AppKey("config", GatewayConfig)
@@ -224,8 +226,10 @@ def build_app(config: GatewayConfig) -> web.Application:
     app[CONFIG_KEY] = config
 
     async def upstream_ctx(app: web.Application):
-        app[UPSTREAM_KEY] = Upstream(config.timings, max(config.rtt_s.values(), default=0.0))
-        app[SCHEDULERS_KEY] = Schedulers(list(config.scheduler_addresses), config.policy, config.rtt_s, config.timings)
+        app[UPSTREAM_KEY] = Upstream(config.timings, max(config.rtt_s.values(), default=0.0), config.tls)
+        app[SCHEDULERS_KEY] = Schedulers(
+            list(config.scheduler_addresses), config.policy, config.rtt_s, config.timings, config.tls
+        )
         app[SCHEDULERS_KEY].start()
         app[ADMISSION_KEY] = admission.Admission(app[SCHEDULERS_KEY], config.max_held)
         app[BREAKERS_KEY] = SiteBreakers(open_s=config.timings.circuit_open_s)

@@ -247,7 +247,9 @@ class Generation:
         if not self.breakers.admit(decision.site):
             self._tried.add(decision.site)
             raise UpstreamFailed(f"site {decision.site}'s circuit opened while this request was routed")
-        stream = self.upstream.start(decision.agent_address, request, partial(self._on_delta, decision.site))
+        stream = self.upstream.start(
+            decision.site, decision.agent_address, request, partial(self._on_delta, decision.site)
+        )
         sent_at = time.monotonic()
         try:
             first = await stream.first

@@ -23,6 +23,8 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_r
 
 from core import runtime, wire
 from core.errors import NoCapacity
+from core.mtls import INSECURE, Tls
+from core.pki import Identity, Role
 from core.policy import POLICIES, RouteContext, SiteLoad
 from core.settings import GatewayTimings
 from core.work import expected_output_tokens
@@ -38,6 +40,7 @@ log = structlog.get_logger("gateway")
 # same once a keepalive ping goes unanswered (UNAVAILABLE within two keepalive periods) or an
 # attempt runs out of time: the next replica is asked at once, and when none answers the
 # gateway routes from the last state (degraded mode).
+SCHEDULER = Identity(Role.SCHEDULER)  # what a replica's certificate must say, whatever address is dialled
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # State is pushed every `state_push_s`: a site down is known here within ~0.1 s of the scheduler.
 # A watched replica that sends nothing for `watch_silence_s` is cut off (its packets dropped,
@@ -55,6 +58,7 @@ class Schedulers:
         policy: str = "least_expected_delay",
         rtt_s: Mapping[tuple[str, str], float] | None = None,
         timings: GatewayTimings = GatewayTimings(),
+        tls: Tls = INSECURE,
     ) -> None:
         if not addresses:
             raise ValueError("at least one scheduler address is needed")
@@ -63,7 +67,7 @@ class Schedulers:
         options = (
             runtime.keepalive_options(timings.scheduler_ping_s) + runtime.GRPC_CHANNEL_OPTIONS
         )  # a blackholed replica is found
-        self._channels = [grpc.aio.insecure_channel(a, options=options) for a in self.addresses]
+        self._channels = [tls.channel(a, SCHEDULER, options) for a in self.addresses]
         self._stubs = [wire.SchedulerStub(c) for c in self._channels]
         self._current = 0  # the replica asked first
         self._silent: set[int] = set()  # replicas the watch found cut off: routes skip them

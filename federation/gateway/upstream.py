@@ -24,6 +24,8 @@ import structlog
 
 from core import runtime, wire
 from core.errors import BadRequest, FederationError, SiteWorkerFailed, UpstreamFailed
+from core.mtls import INSECURE, Tls
+from core.pki import Identity, Role
 from core.settings import GatewayTimings
 
 log = structlog.get_logger("gateway")
@@ -199,13 +201,14 @@ class _Call:
 
 class SiteLink:
     """One agent: its channel, kept for the gateway's life, and its current Generate call
-    (opened when first needed, and again after one broke)."""
+    (opened when first needed, and again after one broke). Under TLS the agent must hold its
+    site's certificate: the site the schedulers named, whatever address it is dialled at."""
 
-    def __init__(self, address: str, timings: GatewayTimings, ping_timeout_s: float) -> None:
+    def __init__(self, site: str, address: str, timings: GatewayTimings, ping_timeout_s: float, tls: Tls) -> None:
         self.address = address
         self._timings = timings
         options = runtime.keepalive_options(ping_timeout_s) + runtime.GRPC_CHANNEL_OPTIONS  # a blackholed site is found
-        self._channel = grpc.aio.insecure_channel(address, options=options)
+        self._channel = tls.channel(address, Identity(Role.SITE, site), options)
         self._stub = wire.SiteAgentStub(self._channel)
         self._call: _Call | None = None
         self._retired: set[_Call] = set()  # broken calls, closed by the watcher
@@ -241,21 +244,25 @@ class SiteLink:
 class Upstream:
     """The sites' agents, one link per address, kept for the gateway's life."""
 
-    def __init__(self, timings: GatewayTimings = GatewayTimings(), longest_rtt_s: float = 0.0) -> None:
+    def __init__(
+        self, timings: GatewayTimings = GatewayTimings(), longest_rtt_s: float = 0.0, tls: Tls = INSECURE
+    ) -> None:
         """`longest_rtt_s`: the longest round trip to a site (a ping to it must be given that long
         on top of the second a healthy site takes at most to answer)."""
         self._timings = timings
+        self._tls = tls
         self._ping_timeout_s = 1.0 + longest_rtt_s
-        self._links: dict[str, SiteLink] = {}
+        self._links: dict[tuple[str, str], SiteLink] = {}
         self._numbers = itertools.count(1)
         self._watch = asyncio.ensure_future(self._watch_forever())
 
-    def start(self, address: str, request: wire.GenerateRequest, deliver: Deliver) -> SiteStream:
-        """Start `request` at the agent at `address`; `deliver` gets its deltas as they come.
+    def start(self, site: str, address: str, request: wire.GenerateRequest, deliver: Deliver) -> SiteStream:
+        """Start `request` at `site`'s agent at `address`; `deliver` gets its deltas as they come.
         Close the stream when done with it (that cancels it at the agent if it still runs)."""
-        link = self._links.get(address)
+        link = self._links.get((site, address))
         if link is None:
-            link = self._links[address] = SiteLink(address, self._timings, self._ping_timeout_s)
+            link = SiteLink(site, address, self._timings, self._ping_timeout_s, self._tls)
+            self._links[site, address] = link
         return link.start(next(self._numbers), request, deliver)
 
     async def _watch_forever(self) -> None:

@@ -5,8 +5,11 @@
     python -m nodes.agent ... --worker-url http://gpu-host-1:30000 --worker-url ...
 
 With `--emulate` it launches an emulator process with one worker per GPU and owns it. It
-registers the model and tokenizer its workers say they serve, with the join credential in
-FEDERATION_JOIN_TOKEN when the federation has one. Started without `--scheduler`, it serves
+registers the model and tokenizer its workers say they serve. It serves and dials mutual TLS
+with its site's certificate (`--ca/--cert/--key`, from `fedctl ca issue --site NAME`): the
+schedulers take it as that site only, and it takes Generate calls only from gateways and Join
+calls only from operators. `--insecure` runs plaintext instead, presenting the join credential
+in FEDERATION_JOIN_TOKEN when the federation has one. Started without `--scheduler`, it serves
 and waits until `fedctl site add --agent HOST:PORT` (presenting that credential) names them.
 """
 
@@ -22,8 +25,10 @@ import aiohttp
 import grpc
 import structlog
 
-from core import runtime, wire
+from core import mtls, runtime, wire
+from core.authz import Guard
 from core.config import JOIN_TOKEN_ENV
+from core.pki import Identity, Role
 from core.settings import AgentTimings, add_timings_argument
 from nodes.agent import calibrate
 from nodes.agent.join import JoinGate
@@ -74,7 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="decode steps between a stream's events, as SGLang's --stream-interval (with --emulate)",
     )
     add_timings_argument(p, AgentTimings)
+    mtls.add_arguments(p, "site")
     args = p.parse_args(argv)
+    args.tls = mtls.from_arguments(p, args, Identity(Role.SITE, args.site))
     if args.gpus < 1:
         p.error("--gpus must be >= 1")
     if args.coalesce_ms is not None:
@@ -121,11 +128,12 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     address = f"{args.host}:{args.port}"
     credential = os.environ.get(JOIN_TOKEN_ENV, "")
     gate = JoinGate(args.site, args.region, args.gpu, args.gpus, credential, args.scheduler or [])
-    service = SiteAgentService(args.site, pool, session, gate, args.advertise or address)
+    service = SiteAgentService(args.site, pool, session, gate, args.advertise or address, Guard(args.tls))
     server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
     wire.add_site_agent_to_server(service, server)
+    mtls.warn_if_insecure(args.tls, log)
     try:
-        server.add_insecure_port(address)
+        args.tls.listen(server, address)
     except RuntimeError as exc:
         log.error("agent.bind_failed", address=address, error=str(exc))
         return 1
@@ -143,7 +151,11 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     reporter: ReportFeed | None = None
     if not stop.done():
         reporter = ReportFeed(
-            await _registration(args, pool, service.address, *served), service.next_report, credential, args.timings
+            await _registration(args, pool, service.address, *served),
+            service.next_report,
+            credential,
+            args.timings,
+            args.tls,
         )
         reporter.start(list(gate.schedulers.result()))
         if not waits:  # ready once probed and reporting, as it was started to be

@@ -34,6 +34,8 @@ import structlog
 
 from core import logs, runtime, wire
 from core.credential import bearer
+from core.mtls import INSECURE, Tls
+from core.pki import Identity, Role
 from core.settings import AgentTimings
 
 log = structlog.get_logger("agent.reporter")
@@ -41,6 +43,13 @@ log = structlog.get_logger("agent.reporter")
 # The reporter's waits are AgentTimings'. A loop busy `loop_stall_limit_s` (5 s) is hung, not
 # busy: the longest stall seen under a 24 k-request burst on two cores was ~2 s.
 STOP_TIMEOUT_S = 5.0
+SCHEDULER = Identity(Role.SCHEDULER)  # what a replica's certificate must say, whatever address is dialled
+# A replica that refuses the site (its model, its credential, its certificate): an error, not a blip.
+REFUSED_CODES = (
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+)
 # Request ids waiting for a reporter that does not read (each snapshot carries the calls taken
 # since the one before): beyond this the oldest are dropped; the schedulers forget routes never
 # acknowledged after a while anyway (SchedulerTimings.in_transit_limit_s).
@@ -56,11 +65,13 @@ class ReportFeed:
         make_report: Callable[[], wire.SiteReport],
         credential: str = "",
         timings: AgentTimings = AgentTimings(),
+        tls: Tls = INSECURE,
     ) -> None:
         self.registration = registration
         self.timings = timings
         self.make_report = make_report
         self.credential = credential
+        self.tls = tls
         self._conn: Connection | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._ready = threading.Condition()
@@ -74,7 +85,7 @@ class ReportFeed:
         receiver, self._conn = context.Pipe(duplex=False)
         self._process = context.Process(
             target=_reporter_main,
-            args=(self.registration, scheduler_addresses, self.credential, self.timings, receiver),
+            args=(self.registration, scheduler_addresses, self.credential, self.timings, self.tls, receiver),
             name=f"reporter {self.registration.name}",
             daemon=True,
         )
@@ -187,13 +198,14 @@ def _reporter_main(
     scheduler_addresses: list[str],
     credential: str,
     timings: AgentTimings,
+    tls: Tls,
     conn: Connection,
 ) -> None:
     """The reporter process: report to every replica until the agent closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops the agent, and the agent stops us
     logs.configure()
     snapshots = Snapshots(conn, timings.loop_stall_limit_s)
-    reporter = Reporter(registration, snapshots, credential, timings)
+    reporter = Reporter(registration, snapshots, credential, timings, tls)
     reporter.start(scheduler_addresses)
     snapshots.receive_forever()
     reporter.stop()
@@ -207,9 +219,15 @@ class Reporter:
     ends the reports to every replica (one that was down then does not take the site back)."""
 
     def __init__(
-        self, registration: wire.SiteRegistration, snapshots: Snapshots, credential: str, timings: AgentTimings
+        self,
+        registration: wire.SiteRegistration,
+        snapshots: Snapshots,
+        credential: str,
+        timings: AgentTimings,
+        tls: Tls = INSECURE,
     ) -> None:
         self.timings = timings
+        self.tls = tls
         self.registration = registration
         self.snapshots = snapshots
         self.metadata = bearer(credential)
@@ -241,7 +259,7 @@ class Reporter:
         options = (
             runtime.keepalive_options(self.timings.scheduler_ping_s) + runtime.GRPC_CHANNEL_OPTIONS
         )  # a blackholed replica is found
-        with grpc.insecure_channel(scheduler_address, options=options) as channel:
+        with self.tls.sync_channel(scheduler_address, SCHEDULER, options) as channel:
             stub = wire.SchedulerStub(channel)
             while not self._stop.is_set():
                 call = None
@@ -275,7 +293,7 @@ class Reporter:
                 except grpc.RpcError as exc:
                     if self._stop.is_set():
                         return  # our own cancel
-                    refused = exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED)
+                    refused = exc.code() in REFUSED_CODES
                     level = log.error if refused else log.warning
                     level(
                         "reporter.disconnected", scheduler=scheduler_address, code=exc.code().name, detail=exc.details()

@@ -17,6 +17,7 @@ import grpc
 import structlog
 
 from core import wire
+from core.authz import UNGUARDED, Guard
 from core.work import expected_output_tokens
 from nodes.agent import sglang, worker_stream
 from nodes.agent.delivered import DeliveredRate
@@ -90,8 +91,10 @@ class SiteAgentService(wire.SiteAgentServicer):
         session: aiohttp.ClientSession,
         gate: JoinGate,
         address: str,
+        guard: Guard = UNGUARDED,
     ) -> None:
         self.site = site
+        self.guard = guard
         self.timings = pool.timings
         self.pool = pool
         self.session = session
@@ -106,6 +109,7 @@ class SiteAgentService(wire.SiteAgentServicer):
     async def Generate(self, request_iterator, context) -> None:
         """Starts and cancels generations as the gateway asks, until the call ends; every
         generation still running then is cancelled (the gateway is gone)."""
+        await self.guard.admit(context, "Generate")
         relay = RelayCall(context.write, self._sent, self.timings.coalesce_s)
         writer = asyncio.ensure_future(relay.write_forever())
         running: dict[int, asyncio.Task[None]] = {}
@@ -266,6 +270,7 @@ class SiteAgentService(wire.SiteAgentServicer):
         await asyncio.gather(*self._aborts, return_exceptions=True)
 
     async def Join(self, request, context):
+        await self.guard.admit(context, "Join")
         refusal = self.gate.join(wire.join_request_from_pb(request), context)
         if refusal is not None:
             log.warning("agent.join_refused", site=self.site, reason=refusal[1])
