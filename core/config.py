@@ -71,6 +71,7 @@ class Config:
     # and one process has 20,000 file descriptors here; a federation at MLPerf load has more.
     gateway_processes: int = 1
     ttft_budget_ms: float = 0.0  # gateway latency mode when > 0 (see federation/gateway/admission.py)
+    api_keys: str = ""  # the gateways' keys file (`fedctl keys add`); "": an open endpoint
     rtt_ms: dict[tuple[str, str], float] = field(default_factory=dict)  # both orders present
     # The round trips of the links that carry only control calls (sites' registrations and
     # reports, Routes) when they differ from `rtt_ms`: a slowed bench stretches the data path's
@@ -135,6 +136,7 @@ class _Gateway(_Section):
     region: StrictStr = ""
     processes: _POSITIVE_INT = 1
     ttft_budget_ms: Annotated[_NUMBER, Field(ge=0)] = 0.0
+    api_keys: StrictStr = ""
 
 
 class _Scheduler(_Section):
@@ -222,6 +224,7 @@ def parse(text: str, source: str = "config") -> Config:
         stream_interval=file.stream_interval,
         gateway_processes=file.gateway.processes,
         ttft_budget_ms=float(file.gateway.ttft_budget_ms),
+        api_keys=file.gateway.api_keys,
         rtt_ms=rtt,
         sites=sites,
         scheduler_replicas=file.scheduler.replicas,

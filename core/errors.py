@@ -65,3 +65,18 @@ class TooBusy(FederationError):
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class Unauthorized(FederationError):
+    """No API key, or one the gateway does not know (HTTP 401, as OpenAI answers)."""
+
+    status = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class RateLimited(TooBusy):
+    """The key is over one of its limits: come back after Retry-After (HTTP 429). Refused before
+    any site is asked, so it costs the federation nothing."""
+
+    code = "rate_limit_exceeded"

@@ -7,6 +7,8 @@ fedctl site add --name N --region R --gpu G --gpus N --emulate   a new site join
 fedctl site add --name N --region R --gpu G --gpus N --agent HOST:PORT   a running agent joins
 fedctl bench [--scenario offline|server] [--json FILE]  throughput and latency (fedctl bench -h)
 fedctl drill SCENARIO [--json FILE] [--png FILE]       a fault under load (fedctl drill -h)
+fedctl ca init | ca issue --site NAME | --role ROLE    the federation's CA and certificates (mutual TLS)
+fedctl keys add NAME [--rpm N] [--tpm N] [--max-concurrent N]   an API key for the gateway, printed once
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from federation import admin, control
 from federation.bench import run as bench
 from federation.drills import run as drills
 from federation.embedded import Federation
+from federation.gateway import keys
 from federation.throwaway_ca import OPERATOR, operator_tls
 
 CA_DIR = Path("federation-ca")  # `fedctl ca`'s directory unless --dir says another
+KEYS_FILE = Path("federation-keys.json")  # `fedctl keys`' file unless --file says another
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -94,6 +98,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     issue.add_argument("--host", action="append", default=[], help="a name or address it serves at, repeatable")
     issue.add_argument("--dir", type=Path, default=CA_DIR, help="the CA's directory")
     issue.add_argument("--out", type=Path, default=None, help="where to write it (default: the CA's directory)")
+    keys = sub.add_parser("keys", help="the gateway's API keys").add_subparsers(dest="action", required=True)
+    add_key = keys.add_parser("add", help="make a key (printed once; the file keeps its hash) with its limits")
+    add_key.add_argument("name", help="names the key in metrics and logs")
+    add_key.add_argument("--file", type=Path, default=KEYS_FILE, help=f"the keys file (default {KEYS_FILE})")
+    add_key.add_argument("--rpm", type=runtime.positive_int, default=0, help="requests per minute (default: no limit)")
+    add_key.add_argument(
+        "--tpm", type=runtime.positive_int, default=0, help="prompt + output tokens per minute (default: no limit)"
+    )
+    add_key.add_argument(
+        "--max-concurrent", type=runtime.positive_int, default=0, help="requests at once (default: no limit)"
+    )
     bench.add_arguments(sub.add_parser("bench", help="measure the federation, its sites alone and the peers"))
     drills.add_arguments(sub.add_parser("drill", help="inject a fault under load and measure what it cost"))
     return p.parse_args(argv)
@@ -397,6 +412,21 @@ def cmd_ca(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    limits = keys.KeyLimits(rpm=args.rpm, tpm=args.tpm, max_concurrent=args.max_concurrent)
+    try:
+        key = keys.add(args.file, args.name, limits)
+    except keys.KeyFileError as exc:
+        print(f"fedctl keys: {exc}", file=sys.stderr)
+        return 2
+    print(key)
+    print(
+        f"fedctl keys: {args.name} added to {args.file} (only its hash is kept: this is the one time it is shown)",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def cmd_measure(args: argparse.Namespace) -> int:
     """bench and drill: long runs that start their own federation."""
     signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: every process the run started stops too
@@ -419,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_site(args)
         if args.command == "ca":
             return cmd_ca(args)
+        if args.command == "keys":
+            return cmd_keys(args)
         return cmd_up(args) if args.command == "up" else cmd_status(args)
     except (ConfigError, pki.PkiError) as exc:
         print(f"fedctl: {exc}", file=sys.stderr)

@@ -102,6 +102,7 @@ class Federation:
             arg for address in self._to_schedulers("gateway", c.gateway_region) for arg in ("--scheduler", address)
         ]
         gateway_args += ["--ttft-budget-ms", str(c.ttft_budget_ms), *rtt_args, *_timings_args(c.timings.gateway)]
+        gateway_args += ["--api-keys", c.api_keys] if c.api_keys else []
         shared, env = [], {}
         if c.gateway_processes > 1:  # one port, and one /metrics for all of them
             self._metrics_dir = tempfile.mkdtemp(prefix="federation-gateway-metrics-")

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+from pathlib import Path
 
 import structlog
 from aiohttp import web
@@ -16,10 +18,13 @@ from core import mtls, runtime, tokens
 from core.pki import Identity, Role
 from core.policy import POLICIES
 from core.settings import GatewayTimings, add_timings_argument
-from federation.gateway.app import GatewayConfig, build_app
+from federation.gateway import metrics
+from federation.gateway.app import GatewayConfig, build_admin_app, build_app
 from federation.gateway.failover import FailoverConfig
+from federation.gateway.keys import KeyFileError, Keys
 
 log = structlog.get_logger("gateway")
+OPEN_WARNING = "OPEN ENDPOINT (no --api-keys): anyone who reaches the port may use it, without limits"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,10 +59,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="REGION:REGION=MS, repeatable: the schedulers' round trips, for decisions made here "
         "(degraded mode, held requests)",
     )
+    p.add_argument(
+        "--api-keys",
+        type=Path,
+        default=None,
+        help="the keys file (`fedctl keys add`): every API request needs one of its keys, within its limits "
+        "(default: an open endpoint, said loudly at start)",
+    )
+    p.add_argument(
+        "--limits-db",
+        type=Path,
+        default=None,
+        help="the SQLite file where gateway processes sharing the port keep the keys' limits "
+        f"(default: limits.sqlite in ${metrics.MULTIPROCESS_DIR_ENV} when set, else this process's memory)",
+    )
+    p.add_argument(
+        "--admin-port",
+        type=int,
+        default=None,
+        help="serve /health and /metrics on this port (same host) and not on --port",
+    )
     add_timings_argument(p, GatewayTimings)
     mtls.add_arguments(p, "gateway")
     args = p.parse_args(argv)
     args.tls = mtls.from_arguments(p, args, Identity(Role.GATEWAY))
+    if args.api_keys is not None:
+        try:
+            Keys(args.api_keys)
+        except KeyFileError as exc:
+            p.error(str(exc))
+    if args.limits_db is None and os.environ.get(metrics.MULTIPROCESS_DIR_ENV):
+        args.limits_db = Path(os.environ[metrics.MULTIPROCESS_DIR_ENV]) / "limits.sqlite"
     if args.retry_budget_s is not None:
         args.timings = dataclasses.replace(args.timings, retry_budget_s=args.retry_budget_s)
     return args
@@ -76,26 +108,39 @@ async def serve(args: argparse.Namespace) -> int:
         rtt_s=runtime.rtt_map(args.rtt_ms),
         timings=args.timings,
         tls=args.tls,
+        api_keys=args.api_keys,
+        limits_db=args.limits_db,
+        admin_routes=args.admin_port is None,
     )
     mtls.warn_if_insecure(args.tls, log)
+    if args.api_keys is None:
+        log.warning("gateway.open", warning=OPEN_WARNING)
     app = build_app(config)
     # Cancel a handler when its client disconnects, so the site's work is aborted too.
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=args.timings.shutdown_grace_s
     )
     await runner.setup()
+    runners = [runner]
     try:
         await web.TCPSite(
             runner, args.host, args.port, backlog=4096, reuse_address=True, reuse_port=args.reuse_port
         ).start()
+        if args.admin_port is not None:
+            runners.append(web.AppRunner(build_admin_app(app), access_log=None))
+            await runners[-1].setup()
+            await web.TCPSite(runners[-1], args.host, args.admin_port, reuse_address=True).start()
     except OSError as exc:
-        log.error("gateway.bind_failed", host=args.host, port=args.port, error=str(exc))
-        await runner.cleanup()
+        log.error("gateway.bind_failed", host=args.host, port=args.port, admin_port=args.admin_port, error=str(exc))
+        for started in reversed(runners):
+            await started.cleanup()
         return 1
     stop = runtime.stop_event()
-    runtime.announce_ready(gateway=f"http://{args.host}:{args.port}")
+    admin = {"admin": f"http://{args.host}:{args.admin_port}"} if args.admin_port is not None else {}
+    runtime.announce_ready(gateway=f"http://{args.host}:{args.port}", **admin)
     await stop.wait()
-    await runner.cleanup()
+    for started in reversed(runners):
+        await started.cleanup()
     return 0
 
 

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -23,12 +24,14 @@ import structlog
 from aiohttp import web
 
 from core import wire
-from core.errors import BadRequest, FederationError, TooBusy
+from core.errors import BadRequest, FederationError, RateLimited, TooBusy, Unauthorized
 from core.mtls import INSECURE, Tls
 from core.settings import GatewayTimings
 from federation.gateway import admission, jobs, metrics
 from federation.gateway.admission import Admission
 from federation.gateway.failover import FailoverConfig, Generation, SiteBreakers
+from federation.gateway.keys import KeyLimits, Keys
+from federation.gateway.limits import Limiter
 from federation.gateway.responses import Answer, Collected, SseClient, WriteBatch, sse
 from federation.gateway.schedulers import Schedulers
 from federation.gateway.upstream import Upstream
@@ -49,6 +52,9 @@ class GatewayConfig:
     rtt_s: dict[tuple[str, str], float] = field(default_factory=dict)  # and the round trips it weighs
     timings: GatewayTimings = GatewayTimings()
     tls: Tls = INSECURE  # to the schedulers and the agents
+    api_keys: Path | None = None  # None: no key needed (an open endpoint, said loudly at start)
+    limits_db: Path | None = None  # where processes sharing the port keep the keys' limits (None: here only)
+    admin_routes: bool = True  # /health and /metrics on this listener (else on the admin listener only)
 
 
 CONFIG_KEY = web.AppKey("config", GatewayConfig)
@@ -57,6 +63,9 @@ SCHEDULERS_KEY = web.AppKey("schedulers", Schedulers)
 ADMISSION_KEY = web.AppKey("admission", Admission)
 BREAKERS_KEY = web.AppKey("breakers", SiteBreakers)
 WRITES_KEY = web.AppKey("writes", WriteBatch)
+KEYS_KEY = web.AppKey("keys", Keys)
+LIMITER_KEY = web.AppKey("limiter", Limiter)
+HOLDER_KEY = "api_key"  # the request's key: (name, limits)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -83,6 +92,25 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return _json(error.body(), error.status)
 
 
+@web.middleware
+async def keys_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With keys configured, the API's paths need one (checked before the body is read)."""
+    keys = request.app.get(KEYS_KEY)
+    if keys is not None and request.path not in OPEN_PATHS:
+        holder = keys.holder(request.headers.get("Authorization", ""))
+        if holder is None:
+            metrics.REFUSED_KEYS.labels("no_key", "").inc()
+            given = "Authorization" in request.headers
+            raise Unauthorized(
+                "Incorrect API key provided." if given else "You didn't provide an API key: Authorization: Bearer KEY."
+            )
+        request[HOLDER_KEY] = holder
+    return await handler(request)
+
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
 def _request_id(request: web.Request) -> str:
     given = request.headers.get("X-Request-Id", "")
     return given if _REQUEST_ID.match(given) else "req-" + uuid.uuid4().hex
@@ -106,7 +134,15 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
     job = make_job(
         await _body(request), request_id=request_id, served_model=config.model, context_tokens=config.context_tokens
     )
-    bound = log.bind(request_id=request_id, kind=job.kind, stream=job.stream)
+    holder: tuple[str, KeyLimits] | None = request.get(HOLDER_KEY)
+    key_name = holder[0] if holder else None
+    if holder is not None:
+        try:
+            app[LIMITER_KEY].admit(*holder, job.request.prompt_tokens)
+        except RateLimited:
+            metrics.REFUSED_KEYS.labels("over_limit", key_name).inc()
+            raise
+    bound = log.bind(request_id=request_id, kind=job.kind, stream=job.stream, key=key_name)
     outcome, answer, error = "error", Answer(job), None
     route = wire.RouteRequest(
         request_id, job.request.prompt_tokens, job.max_tokens, request.headers.get("X-Client-Region", "")
@@ -156,6 +192,9 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         raise
     finally:
         metrics.request_done(outcome, generation.retries, generation.resumed)
+        if holder is not None:
+            app[LIMITER_KEY].release(*holder, answer.completion_tokens)
+            metrics.key_usage(holder[0], outcome, job.request.prompt_tokens, answer.completion_tokens)
         ttft_ms = (out.first_chunk_at - started) * 1000 if out.first_chunk_at else None
         route_ms = (generation.routed_at - started) * 1000 if generation.routed_at else None
         bound.info(
@@ -222,8 +261,11 @@ async def health(request: web.Request) -> web.Response:
 
 
 def build_app(config: GatewayConfig) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024**2)
+    app = web.Application(middlewares=[errors_middleware, keys_middleware], client_max_size=64 * 1024**2)
     app[CONFIG_KEY] = config
+    if config.api_keys is not None:
+        app[KEYS_KEY] = Keys(config.api_keys)
+        app[LIMITER_KEY] = Limiter(config.limits_db)
 
     async def upstream_ctx(app: web.Application):
         app[UPSTREAM_KEY] = Upstream(config.timings, max(config.rtt_s.values(), default=0.0), config.tls)
@@ -247,6 +289,24 @@ def build_app(config: GatewayConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/generate", generate)
     app.router.add_get("/v1/models", models)
+    if config.admin_routes:
+        _admin_routes(app)
+    return app
+
+
+def _admin_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics.handler)
-    return app
+
+
+def build_admin_app(served: web.Application) -> web.Application:
+    """/health and /metrics on a listener of their own (`--admin-port`), for the gateway serving
+    `served` (started first: its state is what /health reports)."""
+    admin = web.Application(middlewares=[errors_middleware])
+
+    async def share(admin: web.Application) -> None:
+        admin[SCHEDULERS_KEY] = served[SCHEDULERS_KEY]
+
+    admin.on_startup.append(share)
+    _admin_routes(admin)
+    return admin

@@ -55,6 +55,25 @@ OUTPUT_TOKENS = Counter(
     registry=REGISTRY,
 )
 
+KEY_REQUESTS = Counter(
+    "federation_gateway_key_requests",
+    "Requests finished, by API key name and outcome.",
+    ["key", "outcome"],
+    registry=REGISTRY,
+)
+KEY_TOKENS = Counter(
+    "federation_gateway_key_tokens",
+    "Tokens used by each API key: kind=prompt (of requests admitted) or output (delivered).",
+    ["key", "kind"],
+    registry=REGISTRY,
+)
+REFUSED_KEYS = Counter(
+    "federation_gateway_refused",
+    'Requests refused before any site was asked: reason=no_key (401) or over_limit (429), by key ("" without one).',
+    ["reason", "key"],
+    registry=REGISTRY,
+)
+
 
 # Tokens relayed since the last flush, by site: counted per chunk here (`RELAYED[site] += n`, a
 # dict add), and added to the Prometheus counter once a FLUSH_INTERVAL_S and as each request ends
@@ -93,3 +112,9 @@ async def handler(request: web.Request) -> web.Response:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
     return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def key_usage(key: str, outcome: str, prompt_tokens: int, output_tokens: int) -> None:
+    KEY_REQUESTS.labels(key, outcome).inc()
+    KEY_TOKENS.labels(key, "prompt").inc(prompt_tokens)
+    KEY_TOKENS.labels(key, "output").inc(output_tokens)

@@ -1,0 +1,129 @@
+"""API keys: who may use the endpoint, and how much each may take.
+
+A key is 32 random bytes (`fed-` and URL-safe base64), shown once when it is made (`fedctl keys
+add`) and stored only as its SHA-256: a key that random needs no slow hash, since no one can
+guess one to match a stolen file. The file (JSON, mode 0600) names each key and its limits:
+requests and tokens per minute and requests at once (0: no limit; see `limits.py`). A gateway
+re-reads it within a second of a change, so keys added or removed take effect without a
+restart. A client presents its key as the OpenAI client does: `Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Annotated
+
+import pydantic
+import structlog
+from pydantic import Field, StrictInt
+
+log = structlog.get_logger("gateway")
+
+KEY_PREFIX = "fed-"
+RELOAD_CHECK_S = 1.0
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # it labels metrics and log lines
+
+
+class KeyFileError(ValueError):
+    """A keys file that cannot be read or written; the message says which and why."""
+
+
+class KeyLimits(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    rpm: Annotated[StrictInt, Field(ge=0)] = 0  # requests per minute
+    tpm: Annotated[StrictInt, Field(ge=0)] = 0  # prompt and output tokens per minute
+    max_concurrent: Annotated[StrictInt, Field(ge=0)] = 0  # requests at once
+
+
+class StoredKey(KeyLimits):
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class _KeysFile(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    keys: dict[Annotated[str, Field(pattern=NAME_PATTERN)], StoredKey] = {}
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _read(path: Path) -> _KeysFile:
+    try:
+        return _KeysFile.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        raise KeyFileError(f"{path}: no such file (make one with `fedctl keys add NAME --file {path}`)") from None
+    except OSError as exc:
+        raise KeyFileError(f"{path}: {exc.strerror}") from None
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise KeyFileError(f"{path}: {where or 'the file'}: {first['msg']}") from None
+
+
+def add(path: Path, name: str, limits: KeyLimits) -> str:
+    """A new key named `name` in the file at `path` (made if missing); returns the key, which is
+    nowhere else. Refused for a name already there (remove it from the file first)."""
+    stored = _read(path) if path.exists() else _KeysFile()
+    if name in stored.keys:
+        raise KeyFileError(f"{path}: a key named {name!r} exists")
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    entry = StoredKey(sha256=digest(key), **limits.model_dump())
+    try:
+        updated = _KeysFile.model_validate({"keys": {**stored.keys, name: entry}})
+    except pydantic.ValidationError:
+        raise KeyFileError(f"{name!r}: a key's name is 1-64 letters, digits, '.', '_' or '-'") from None
+    temporary = path.with_name(path.name + ".tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(updated.model_dump(), indent=2) + "\n")
+    os.replace(temporary, path)  # a gateway reading it sees the old file or the new one
+    return key
+
+
+class Keys:
+    """The keys a gateway accepts, from its file, re-read when the file changes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._by_digest: dict[str, tuple[str, KeyLimits]] = {}
+        self._mtime_ns = -1
+        self._checked_at = 0.0
+        self._load()  # a bad file is an error at start; later, the last good one serves on
+
+    def _load(self) -> None:
+        mtime_ns = self.path.stat().st_mtime_ns if self.path.exists() else -1
+        stored = _read(self.path)
+        self._by_digest = {
+            k.sha256: (name, KeyLimits(**k.model_dump(exclude={"sha256"}))) for name, k in stored.keys.items()
+        }
+        self._mtime_ns = mtime_ns
+
+    def holder(self, authorization: str) -> tuple[str, KeyLimits] | None:
+        """The name and limits of the key an `Authorization` header presents; None if none is known."""
+        now = time.monotonic()
+        if now - self._checked_at >= RELOAD_CHECK_S:
+            self._checked_at = now
+            self._reload_if_changed()
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key.startswith(KEY_PREFIX):
+            return None
+        return self._by_digest.get(digest(key.strip()))
+
+    def _reload_if_changed(self) -> None:
+        try:
+            if self.path.stat().st_mtime_ns != self._mtime_ns:
+                self._load()
+        except (OSError, KeyFileError) as exc:  # the last good keys serve on; the next change is tried
+            log.warning("keys.reload_failed", path=str(self.path), error=str(exc))
+            self._mtime_ns = -2  # tried: not again until the file changes
+            with contextlib.suppress(OSError):
+                self._mtime_ns = self.path.stat().st_mtime_ns
