@@ -86,12 +86,12 @@ class Tls:
 INSECURE = Tls(None)
 
 
-def add_arguments(parser: argparse.ArgumentParser, holder: str) -> None:
+def add_arguments(parser: argparse.ArgumentParser, who: str) -> None:
     """`--ca/--cert/--key`, or `--insecure`: one of them is required."""
     group = parser.add_argument_group("transport security (mutual TLS; `fedctl ca issue` makes these)")
     group.add_argument("--ca", type=Path, help="the federation CA's certificate")
-    group.add_argument("--cert", type=Path, help=f"this {holder}'s certificate")
-    group.add_argument("--key", type=Path, help=f"this {holder}'s private key (mode 0600)")
+    group.add_argument("--cert", type=Path, help=f"this {who}'s certificate")
+    group.add_argument("--key", type=Path, help=f"this {who}'s private key (mode 0600)")
     group.add_argument("--insecure", action="store_true", help="plaintext gRPC, no certificates (one machine only)")
 
 

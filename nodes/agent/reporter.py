@@ -154,6 +154,10 @@ class Snapshots:
         self.received_at = time.monotonic()
         self._lock = threading.Lock()
         self._unreported: dict[str, list[str]] = {}  # replica address -> request ids
+        # Bumped when a snapshot's healthy workers differ from the one before: reported at once,
+        # not at the next interval (a site losing workers must be seen within a second).
+        self.health_version = 0
+        self._health_changed = threading.Condition(self._lock)
 
     def receive_forever(self) -> None:
         """Until the agent stops, or dies (either closes the pipe)."""
@@ -163,6 +167,9 @@ class Snapshots:
                 with self._lock:
                     for ids in self._unreported.values():
                         ids.extend(snapshot.received_ids)
+                    if self.latest is not None and snapshot.healthy_workers != self.latest.healthy_workers:
+                        self.health_version += 1
+                        self._health_changed.notify_all()
                     self.latest = snapshot
                     self.received_at = time.monotonic()
         except (EOFError, OSError):
@@ -187,6 +194,13 @@ class Snapshots:
             if received is not None:  # not a replica just forgotten
                 self._unreported[replica] = []
             return dataclasses.replace(self.latest, received_ids=tuple(received or ()))
+
+    def wait_for_health_change(self, seen: int, timeout_s: float) -> int:
+        """Until the workers' health changes after version `seen`, or `timeout_s` passes; the
+        version now."""
+        with self._health_changed:
+            self._health_changed.wait_for(lambda: self.health_version != seen, timeout_s)
+            return self.health_version
 
     @property
     def stalled(self) -> bool:
@@ -308,8 +322,9 @@ class Reporter:
                 self._stop.wait(delay * random.uniform(0.5, 1.0))
 
     def _reports(self, scheduler_address: str, interval_s: float) -> Iterator:
-        """One report per interval while the agent's loop is alive; ends the stream when we stop."""
-        sent_at = time.monotonic()
+        """One report per interval while the agent's loop is alive, and one at once when its
+        workers' health changes; ends the stream when we stop."""
+        sent_at, health = time.monotonic(), self.snapshots.health_version
         while not self._stop.is_set():
             if self.snapshots.stalled:
                 stalled_s = round(time.monotonic() - self.snapshots.received_at, 1)
@@ -321,4 +336,4 @@ class Reporter:
                     log.warning("reporter.late", gap_s=round(now - sent_at, 2))
                 sent_at = now
                 yield report
-            self._stop.wait(interval_s)
+            health = self.snapshots.wait_for_health_change(health, interval_s)
