@@ -77,6 +77,11 @@ class Identity:
         return self.common_name
 
 
+# The identities that are not a site's: what a scheduler's certificate must say, whatever address
+# is dialled, and who gateways and operators are.
+SCHEDULER, GATEWAY, OPERATOR = Identity(Role.SCHEDULER), Identity(Role.GATEWAY), Identity(Role.OPERATOR)
+
+
 @dataclass(frozen=True, slots=True)
 class Credentials:
     """One holder's PEM material: the CA's certificate, its own certificate and key."""

@@ -18,11 +18,10 @@ import grpc
 from core import wire
 from core.credential import bearer
 from core.mtls import Tls
-from core.pki import Identity, Role
+from core.pki import SCHEDULER, Identity, Role
 
 ADMIN_TIMEOUT_S = 3.0
 DRAIN_POLL_S = 0.5
-SCHEDULER = Identity(Role.SCHEDULER)
 
 
 class NoReplica(RuntimeError):

@@ -37,7 +37,7 @@ from federation.bench import run as bench
 from federation.drills import run as drills
 from federation.embedded import Federation
 from federation.gateway import keys
-from federation.throwaway_ca import OPERATOR, operator_tls
+from federation.throwaway_ca import operator_tls
 
 CA_DIR = Path("federation-ca")  # `fedctl ca`'s directory unless --dir says another
 KEYS_FILE = Path("federation-keys.json")  # `fedctl keys`' file unless --file says another
@@ -127,7 +127,7 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 def _operator(args: argparse.Namespace) -> mtls.Tls:
     """The operator's credentials: the flags', else those the `fedctl up` of this config keeps."""
     if mtls.given(args):
-        return mtls.tls_from(args, OPERATOR)
+        return mtls.tls_from(args, pki.OPERATOR)
     directory = control.tls_dir(load(args.config))
     found = operator_tls(directory)
     if found is None:

@@ -21,7 +21,7 @@ import grpc
 from core import wire
 from core.config import JOIN_TOKEN_ENV, Config, SiteConfig
 from core.mtls import INSECURE, INSECURE_WARNING, Tls
-from core.pki import Identity, Role
+from core.pki import GATEWAY, SCHEDULER, Identity, Role
 from core.processes import Child, StartFailed, start_python
 from core.settings import to_json
 from federation import control
@@ -29,11 +29,7 @@ from federation.admin import fetch_state
 from federation.gateway import metrics
 from federation.throwaway_ca import ThrowawayCa
 
-READY_WAIT_S = 60.0
-SCHEDULER, GATEWAY = (
-    Identity(Role.SCHEDULER),
-    Identity(Role.GATEWAY),
-)  # sites must report ready within this long after their agents start
+READY_WAIT_S = 60.0  # sites must report ready within this long after their agents start
 
 
 class Federation:

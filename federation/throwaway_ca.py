@@ -14,9 +14,7 @@ from pathlib import Path
 
 from core import pki
 from core.mtls import Tls, load_tls
-from core.pki import Identity
-
-OPERATOR = Identity(pki.Role.OPERATOR)
+from core.pki import OPERATOR, Identity
 
 
 class ThrowawayCa:

@@ -18,7 +18,7 @@ import structlog
 from core import mtls, runtime, wire
 from core.authz import Guard
 from core.config import JOIN_TOKEN_ENV
-from core.pki import Identity, Role
+from core.pki import SCHEDULER
 from core.policy import POLICIES
 from core.settings import SchedulerTimings, add_timings_argument
 from scheduler.service import SchedulerService
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_timings_argument(p, SchedulerTimings)
     mtls.add_arguments(p, "scheduler")
     args = p.parse_args(argv)
-    args.tls = mtls.from_arguments(p, args, Identity(Role.SCHEDULER))
+    args.tls = mtls.from_arguments(p, args, SCHEDULER)
     return args
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import grpc
 
-from core import mtls, runtime
+from core import mtls, pki, runtime
 from core.config import Config
 from core.pki import PkiError
 from federation import admin
@@ -52,7 +52,6 @@ from federation.drills.faults import (
 from federation.drills.sampler import SiteTokenSampler, gateway_counters
 from federation.drills.target import DrillError, DrillRefused, Target
 from federation.embedded import Federation
-from federation.throwaway_ca import OPERATOR
 
 # 32 emulated GPUs and ~18 k open streams at SGLang's per-token pace: at a twentieth of real
 # speed (~13 k tokens/s, ~85 µs of CPU each across the processes) they take about half of the 2
@@ -244,7 +243,7 @@ def _drill_endpoint(args: argparse.Namespace, site: str, samples) -> dict[str, A
     if not schedulers:
         raise DrillRefused(f"{gateway_url} names no scheduler ({health}); give --scheduler")
     try:
-        operator = mtls.tls_from(args, OPERATOR)
+        operator = mtls.tls_from(args, pki.OPERATOR)
     except PkiError as exc:
         raise DrillRefused(f"--endpoint: the operator's certificate: {exc}") from None
     target = Target(gateway_url, list(schedulers), operator, inject_command=args.inject, heal_command=args.heal)

@@ -15,7 +15,7 @@ import structlog
 from aiohttp import web
 
 from core import mtls, runtime, tokens
-from core.pki import Identity, Role
+from core.pki import GATEWAY
 from core.policy import POLICIES
 from core.settings import GatewayTimings, add_timings_argument
 from federation.gateway import metrics
@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_timings_argument(p, GatewayTimings)
     mtls.add_arguments(p, "gateway")
     args = p.parse_args(argv)
-    args.tls = mtls.from_arguments(p, args, Identity(Role.GATEWAY))
+    args.tls = mtls.from_arguments(p, args, GATEWAY)
     if args.api_keys is not None:
         try:
             Keys(args.api_keys)

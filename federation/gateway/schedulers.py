@@ -24,7 +24,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_r
 from core import runtime, wire
 from core.errors import NoCapacity
 from core.mtls import INSECURE, Tls
-from core.pki import Identity, Role
+from core.pki import SCHEDULER
 from core.policy import POLICIES, RouteContext, SiteLoad
 from core.settings import GatewayTimings
 from core.work import expected_output_tokens
@@ -40,7 +40,6 @@ log = structlog.get_logger("gateway")
 # same once a keepalive ping goes unanswered (UNAVAILABLE within two keepalive periods) or an
 # attempt runs out of time: the next replica is asked at once, and when none answers the
 # gateway routes from the last state (degraded mode).
-SCHEDULER = Identity(Role.SCHEDULER)  # what a replica's certificate must say, whatever address is dialled
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # State is pushed every `state_push_s`: a site down is known here within ~0.1 s of the scheduler.
 # A watched replica that sends nothing for `watch_silence_s` is cut off (its packets dropped,

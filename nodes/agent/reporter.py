@@ -35,7 +35,7 @@ import structlog
 from core import logs, runtime, wire
 from core.credential import bearer
 from core.mtls import INSECURE, Tls
-from core.pki import Identity, Role
+from core.pki import SCHEDULER
 from core.settings import AgentTimings
 
 log = structlog.get_logger("agent.reporter")
@@ -43,7 +43,6 @@ log = structlog.get_logger("agent.reporter")
 # The reporter's waits are AgentTimings'. A loop busy `loop_stall_limit_s` (5 s) is hung, not
 # busy: the longest stall seen under a 24 k-request burst on two cores was ~2 s.
 STOP_TIMEOUT_S = 5.0
-SCHEDULER = Identity(Role.SCHEDULER)  # what a replica's certificate must say, whatever address is dialled
 # A replica that refuses the site (its model, its credential, its certificate): an error, not a blip.
 REFUSED_CODES = (
     grpc.StatusCode.FAILED_PRECONDITION,
