@@ -129,7 +129,9 @@ async def serve(args: argparse.Namespace) -> int:
         if args.admin_port is not None:
             runners.append(web.AppRunner(build_admin_app(app), access_log=None))
             await runners[-1].setup()
-            await web.TCPSite(runners[-1], args.host, args.admin_port, reuse_address=True).start()
+            await web.TCPSite(
+                runners[-1], args.host, args.admin_port, reuse_address=True, reuse_port=args.reuse_port
+            ).start()  # processes sharing the API's port share the admin one too
     except OSError as exc:
         log.error("gateway.bind_failed", host=args.host, port=args.port, admin_port=args.admin_port, error=str(exc))
         for started in reversed(runners):
