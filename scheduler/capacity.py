@@ -6,10 +6,10 @@ move it, every report:
 - A site whose requests wait while its slots (or its KV cache) are full is saturated, and a
   saturated site delivers exactly its capacity: the estimate moves toward the delivered rate.
   A queue beside free room is only requests waiting for the next step to admit them.
-- A site with room to spare and nothing waiting still shows how fast it runs the batch it
-  has, each step also prefilling its share of the requests that replace those finishing; so
-  does one with many requests waiting (each step then prefills a full chunk; with a few
-  waiting the prefill is unknown, and the estimate waits). Its workers' step at that batch
+- A site with room to spare still shows how fast it runs the batch it has, each step also
+  prefilling at least its share of the requests that replace those finishing (a few of them
+  always wait for the next step, the more so the slower the step: a queue alone is no reason
+  to stop reading), and up to a full chunk while many wait. Its workers' step at that batch
   (running requests over tokens/s) against the step the GPU profile predicts for the same
   batch, context and prefill says how much faster or slower the site is than declared; what the declared GPUs' model delivers, scaled by that ratio, is the
   estimate. So a site declared MI355X that runs like an MI300X loses its share before it
@@ -55,8 +55,7 @@ BATCH_TIME_CONSTANT_S = 2.5
 # (relayed late, all at once) has left the window before it could count.
 ABOVE_HELD_S = 2 * SETTLE_S
 # This many requests waiting per worker (~1k-token prompts) fill a prefill chunk (16,384 tokens):
-# a step then carries a full chunk, and the batch it decodes can be read against the GPU model
-# again. Fewer waiting are requests between steps, of a prefill share no report says.
+# a step then carries a full chunk. Fewer waiting fill part of one.
 QUEUE_FOR_FULL_CHUNKS = 16
 # Below this many requests per worker the step is mostly fixed cost and launch jitter: too
 # little to scale a whole site's capacity from.
@@ -151,23 +150,14 @@ class CapacityEstimator:
         self.batch_per_worker += follow * (report.running_requests / healthy - self.batch_per_worker)
         self.context_per_worker += follow * (report.context_tokens / healthy - self.context_per_worker)
         self.saturated_for_s = self.saturated_for_s + dt_s if report.queued_requests > 0 and _full(report) else 0.0
-        # Requests waiting at the site: enough of them and every step prefills a full chunk
-        # besides its decode (a wave being prefilled, or a site too slow for what it is sent).
-        prefills_full_chunks = report.queued_requests >= QUEUE_FOR_FULL_CHUNKS * healthy
-        busy = report.running_requests / healthy >= MIN_BATCH_PER_WORKER and (
-            report.queued_requests == 0 or prefills_full_chunks
-        )
+        busy = report.running_requests / healthy >= MIN_BATCH_PER_WORKER
         self.busy_for_s = self.busy_for_s + dt_s if busy else 0.0
 
         held_above_s = self._held_above(delivered_full_site, dt_s)
         if self.saturated_for_s >= SETTLE_S:
             seen, evidence = delivered_full_site, "saturated"
         elif self.busy_for_s >= SETTLE_S and self.profile is not None and per_worker_tok_s > 0:
-            if prefills_full_chunks:
-                prefill = float(self.profile.chunked_prefill_tokens)
-            else:  # the share of the prompts replacing the requests that finish
-                prompt_per_output = self.mix.current.prompt_per_output if self.mix is not None else 0.0
-                prefill = self.batch_per_worker * prompt_per_output
+            prefill = self._prefill_per_step(self.profile, report.queued_requests / healthy)
             ratio = decode_speed_ratio(
                 self.profile, self.batch_per_worker, self.context_per_worker, per_worker_tok_s, prefill
             )
@@ -179,6 +169,17 @@ class CapacityEstimator:
         weight = 1.0 - math.exp(-min(dt_s, MAX_STEP_S) / TIME_CONSTANT_S)
         self.full_site_tok_s += weight * (seen - self.full_site_tok_s)
         self.evidence = evidence
+
+    def _prefill_per_step(self, profile: GpuProfile, queued_per_worker: float) -> float:
+        """Prompt tokens each step prefills besides its decode, per worker: at least the share of
+        the prompts replacing the requests that finish (a few of them are always waiting for the
+        next step, the more so the slower the step); more while more wait (a wave, or a site
+        sent more than it runs), counted as ~1k-token prompts, up to a full chunk."""
+        prompt_per_output = self.mix.current.prompt_per_output if self.mix is not None else 0.0
+        replacing = self.batch_per_worker * prompt_per_output
+        chunk = float(profile.chunked_prefill_tokens)
+        waiting = min(chunk, queued_per_worker * chunk / QUEUE_FOR_FULL_CHUNKS)
+        return max(replacing, waiting)
 
     def _held_above(self, delivered_tok_s: float, dt_s: float) -> float:
         """Seconds the site has delivered more than the estimate, to now; the least of it is kept."""

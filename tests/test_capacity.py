@@ -102,6 +102,30 @@ def test_a_browned_out_site_with_a_queue_and_free_slots_loses_its_share() -> Non
     assert abs(est.capacity_tok_s(16, 16) / (est.declared_model_tok_s / 4) - 1) < 0.1 and est.evidence == "batch"
 
 
+def test_a_browned_out_site_whose_arrivals_wait_for_its_slow_step_loses_its_share() -> None:
+    """Slowed 4-fold, a site's steps take 4 times as long, and the few requests sent to replace
+    those finishing wait longer for the next one: a handful wait at every report (at a drill's
+    twentieth of real speed a step lasts seconds). That queue is the replacements, not a wave:
+    the batch, read with the replacements' prefill, still gives the slowdown away."""
+    mix = WorkloadMix()
+    mix.current = Workload(prompt_per_output=5.0, context_per_request=1200.0)
+    est = CapacityEstimator.for_site("mi355x", 16, mix)
+    per_gpu, profile = 960, PROFILES["mi355x"]
+    step_ms = profile.step_ms(per_gpu, per_gpu * 1200, per_gpu * 5)
+    _run(
+        est,
+        30,
+        healthy_workers=16,
+        total_workers=16,
+        slots=16384,
+        running_requests=16 * per_gpu,
+        queued_requests=16 * 3,
+        context_tokens=16 * per_gpu * 1200,
+        delivered_tok_s=16 * per_gpu * 1000 / (4 * step_ms),
+    )
+    assert abs(est.full_site_tok_s / (est.declared_model_tok_s / 4) - 1) < 0.1 and est.evidence == "batch"
+
+
 def test_lost_workers_lower_capacity_at_once() -> None:
     """A site with 12 of 16 workers healthy delivers three quarters of its capacity; what the
     12 deliver is read as the whole site's rate scaled up, so losing workers is not slowness."""
