@@ -19,7 +19,6 @@ from core.policy import POLICIES
 from core.settings import Timings, describe
 
 CONFIG_ENV = "FEDERATION_CONFIG"  # a YAML file used when --config is not given
-JOIN_TOKEN_ENV = "FEDERATION_JOIN_TOKEN"  # the credential a site presents to join (schedulers and agents)
 
 DEFAULT_YAML = """\
 model: openai/gpt-oss-120b
@@ -72,6 +71,9 @@ class Config:
     gateway_processes: int = 1
     ttft_budget_ms: float = 0.0  # gateway latency mode when > 0 (see federation/gateway/admission.py)
     api_keys: str = ""  # the gateways' keys file (`fedctl keys add`); "": an open endpoint
+    # Open connections one client address may hold at a gateway process (0: no cap). A bench's
+    # or drill's load generator is one address with thousands of streams: they set 0.
+    max_connections_per_address: int = 1024
     rtt_ms: dict[tuple[str, str], float] = field(default_factory=dict)  # both orders present
     # The round trips of the links that carry only control calls (sites' registrations and
     # reports, Routes) when they differ from `rtt_ms`: a slowed bench stretches the data path's
@@ -137,6 +139,7 @@ class _Gateway(_Section):
     processes: _POSITIVE_INT = 1
     ttft_budget_ms: Annotated[_NUMBER, Field(ge=0)] = 0.0
     api_keys: StrictStr = ""
+    max_connections_per_address: Annotated[int, Strict(), Field(ge=0)] = 1024
 
 
 class _Scheduler(_Section):
@@ -225,6 +228,7 @@ def parse(text: str, source: str = "config") -> Config:
         gateway_processes=file.gateway.processes,
         ttft_budget_ms=float(file.gateway.ttft_budget_ms),
         api_keys=file.gateway.api_keys,
+        max_connections_per_address=file.gateway.max_connections_per_address,
         rtt_ms=rtt,
         sites=sites,
         scheduler_replicas=file.scheduler.replicas,

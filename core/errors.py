@@ -29,6 +29,14 @@ class BadRequest(FederationError):
     error_type = "invalid_request_error"
 
 
+class RequestTimeout(FederationError):
+    """The client did not send its whole request in time (HTTP 408)."""
+
+    status = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class ModelNotFound(FederationError):
     status = 404
     error_type = "invalid_request_error"

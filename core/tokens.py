@@ -11,6 +11,7 @@ stream sends is itself whole tokens.
 from __future__ import annotations
 
 import bisect
+import itertools
 import random
 import re
 from collections.abc import Mapping, Sequence
@@ -52,22 +53,32 @@ def _encoding() -> bpe_openai.Encoding:
     return bpe_openai.get_encoding("o200k_base")
 
 
-def encode(text: str) -> list[int]:
-    """Token ids of `text`, Harmony special tokens included (as the HF tokenizer does)."""
+def encode(text: str, limit: int | None = None) -> list[int]:
+    """Token ids of `text`, Harmony special tokens included (as the HF tokenizer does). With a
+    `limit`, raises PromptTooLong as soon as the pieces encoded so far are over it: a chat of many
+    long messages costs at most the limit and one message to refuse, not all of it."""
     enc = _encoding()
     ids: list[int] = []
-    for part in _SPECIAL_SPLIT.split(text):
-        if part in HARMONY_SPECIALS:
-            ids.append(HARMONY_SPECIALS[part])
-        elif len(part) >= MAX_ENCODE_CHARS:
+    start = 0
+    for special in itertools.chain(_SPECIAL_SPLIT.finditer(text), [None]):  # lazily: a refusal ends the scan
+        end = len(text) if special is None else special.start()
+        if end - start >= MAX_ENCODE_CHARS:
             raise PromptTooLong(f"the text has {len(text)} characters, more than any context can hold")
-        elif part:
-            ids.extend(enc.encode_ordinary(part))
+        if end > start:
+            try:
+                ids.extend(enc.encode_ordinary(text[start:end]))
+            except bpe_openai.TokenLimitError:  # one piece past what the tokenizer takes at once
+                raise PromptTooLong(f"the text has {len(text)} characters, more than any context can hold") from None
+        if special is not None:
+            ids.append(HARMONY_SPECIALS[special.group()])
+            start = special.end()
+        if limit is not None and len(ids) > limit:
+            raise PromptTooLong(f"it has more than {limit} tokens")
     return ids
 
 
-def count(text: str) -> int:
-    return len(encode(text))
+def count(text: str, limit: int | None = None) -> int:
+    return len(encode(text, limit))
 
 
 def render_harmony(messages: Sequence[Mapping[str, str]], *, reasoning_effort: str = "medium", today: str) -> str:

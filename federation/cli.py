@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import queue
 import signal
 import sys
@@ -27,8 +26,8 @@ from pathlib import Path
 
 import grpc
 
-from core import mtls, pki, runtime, wire
-from core.config import JOIN_TOKEN_ENV, ConfigError, SiteConfig, load
+from core import credential, mtls, pki, runtime, wire
+from core.config import ConfigError, SiteConfig, load
 from core.gpus import PROFILES
 from core.policy import POLICIES
 from core.processes import StartFailed, free_port_block
@@ -60,6 +59,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="plaintext gRPC between its processes (default: mutual TLS under a CA made for the run)",
     )
+    up.add_argument(
+        "--join-token-file",
+        type=Path,
+        default=None,
+        help="(--insecure) the join credential its sites present, in a file of mode 0600 (default: one made for "
+        "the run)",
+    )
     status = sub.add_parser("status", help="list the sites")
     status.add_argument("--json", action="store_true")
     _add_target(status)
@@ -82,7 +88,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     how.add_argument(
         "--agent",
         metavar="HOST:PORT",
-        help="an agent already running without schedulers: it joins them (credential: $FEDERATION_JOIN_TOKEN)",
+        help="an agent already running without schedulers: it joins them (in a plaintext federation, presenting "
+        "the credential in --join-token-file)",
+    )
+    add.add_argument(
+        "--join-token-file",
+        type=Path,
+        default=None,
+        help="(--agent, --insecure) the federation's join credential, mode 0600 (default: the one the "
+        "`fedctl up --insecure` of this config made)",
     )
     add.add_argument("--timeout-s", type=runtime.positive_float, default=120.0, help="(--agent) wait this long")
     for parser in site.choices.values():
@@ -148,7 +162,8 @@ def _interrupt(*_: object) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     config = load(args.config).with_overrides(port=args.port, speed=args.speed, policy=args.policy)
-    federation = Federation(config, insecure=args.insecure)
+    token = credential.read_secret(args.join_token_file) if args.join_token_file else ""
+    federation = Federation(config, insecure=args.insecure, join_token=token)
     jobs: queue.Queue = queue.Queue()
     controls = control.ControlServer(control.socket_path(config), _site_controls(federation, jobs))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops us like Ctrl-C, even mid start-up
@@ -324,15 +339,24 @@ def cmd_site_add(args: argparse.Namespace) -> int:
     return 0
 
 
+def _join_credential(args: argparse.Namespace) -> str:
+    """What `fedctl site add --agent` presents to a plaintext agent: --join-token-file's, else
+    the credential the `fedctl up --insecure` of this config keeps, else none."""
+    if args.join_token_file is not None:
+        return credential.read_secret(args.join_token_file)
+    path = control.join_token_path(load(args.config))
+    return credential.read_secret(path) if path.exists() else ""
+
+
 def _join_agent(args: argparse.Namespace) -> int:
     schedulers, operator = _schedulers(args), _operator(args)
     request = wire.JoinRequest(tuple(schedulers), args.name, args.region, args.gpu, args.gpus)
     asked_at = time.time()
     try:
-        address = admin.join_agent(args.agent, operator, request, os.environ.get(JOIN_TOKEN_ENV, ""))
+        address = admin.join_agent(args.agent, operator, request, _join_credential(args))
     except grpc.RpcError as exc:
         hint = (
-            f" (set {JOIN_TOKEN_ENV} to the federation's credential)"
+            " (give --join-token-file the federation's credential)"
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED
             else ""
         )
@@ -452,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "keys":
             return cmd_keys(args)
         return cmd_up(args) if args.command == "up" else cmd_status(args)
-    except (ConfigError, pki.PkiError) as exc:
+    except (ConfigError, pki.PkiError, credential.SecretFileError) as exc:
         print(f"fedctl: {exc}", file=sys.stderr)
         return 2
 

@@ -43,6 +43,12 @@ def tls_dir(config: Config) -> Path:
     return _runtime_dir() / f"inference-federation-{config.gateway_port}.tls"
 
 
+def join_token_path(config: Config) -> Path:
+    """Where the embedded plaintext (--insecure) federation of this config keeps its join
+    credential (mode 0600): its schedulers and agents read it, and so does `fedctl site add --agent`."""
+    return _runtime_dir() / f"inference-federation-{config.gateway_port}.join-token"
+
+
 class ControlServer:
     """Serves `handle(request) -> reply` on the socket from a thread; errors become replies."""
 

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import secrets
 import shutil
 import sys
@@ -14,12 +13,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import IO
 
 import grpc
 
-from core import wire
-from core.config import JOIN_TOKEN_ENV, Config, SiteConfig
+from core import credential, wire
+from core.config import Config, SiteConfig
 from core.mtls import INSECURE, INSECURE_WARNING, Tls
 from core.pki import GATEWAY, SCHEDULER, Identity, Role
 from core.processes import Child, StartFailed, start_python
@@ -38,20 +38,31 @@ class Federation:
     credential instead)."""
 
     def __init__(
-        self, config: Config, log: IO[str] | None = None, *, scheduler_links: bool = False, insecure: bool = False
+        self,
+        config: Config,
+        log: IO[str] | None = None,
+        *,
+        scheduler_links: bool = False,
+        insecure: bool = False,
+        join_token: str = "",
+        faults: bool = False,
     ) -> None:
         self.config = _pinging_past_the_links(config)
         self.log = log  # where the processes' log lines go (default: our stderr)
         # Every path to a scheduler replica through a link of ours, its region's round trip or
         # 0 ms (a drill can then drop a replica's packets for everyone: scheduler-blackhole).
         self.scheduler_links = scheduler_links
+        self.faults = faults  # the emulated workers serve their drill faults (/_emulator/faults, die)
         self.children: list[Child] = []
         # Where `fedctl` commands on this machine find the operator's certificate.
         self.ca = None if insecure else ThrowawayCa(control.tls_dir(self.config), self.config.host)
         self.operator: Tls = self.ca.operator if self.ca else INSECURE
-        # Plaintext: the credential its sites join with, the operator's (FEDERATION_JOIN_TOKEN)
-        # or one made for this run, so no process that was not given it can join.
-        self.join_token = "" if self.ca else os.environ.get(JOIN_TOKEN_ENV) or secrets.token_urlsafe(24)
+        # Plaintext: the credential its sites join with (the operator's, or one made for this
+        # run), in a file only its user reads, so no process that was not given it can join.
+        self.join_token_file: Path | None = None
+        if self.ca is None:
+            self.join_token_file = control.join_token_path(self.config)
+            credential.write_secret(self.join_token_file, join_token or secrets.token_urlsafe(24))
         self._metrics_dir = ""  # the gateway processes' shared counters, when there are several
 
     def tls_flags(self, identity: Identity) -> list[str]:
@@ -68,8 +79,8 @@ class Federation:
         """Start a process; `as_`: the identity it serves and calls as (a WAN link has none)."""
         if as_ is not None:
             args = [*args, *self.tls_flags(as_)]
-            if self.join_token:
-                env = {JOIN_TOKEN_ENV: self.join_token, **(env or {})}
+            if self.join_token_file is not None and as_.role in (Role.SCHEDULER, Role.SITE):
+                args += ["--join-token-file", str(self.join_token_file)]
         child = start_python(name, module, args, log=self.log, env=env)
         self.children.append(child)
         return child
@@ -99,6 +110,7 @@ class Federation:
         ]
         gateway_args += ["--ttft-budget-ms", str(c.ttft_budget_ms), *rtt_args, *_timings_args(c.timings.gateway)]
         gateway_args += ["--api-keys", c.api_keys] if c.api_keys else []
+        gateway_args += ["--max-connections-per-address", str(c.max_connections_per_address)]
         shared, env = [], {}
         if c.gateway_processes > 1:  # one port, and one /metrics for all of them
             self._metrics_dir = tempfile.mkdtemp(prefix="federation-gateway-metrics-")
@@ -179,6 +191,7 @@ class Federation:
                 "--emulator-stream-interval",
                 str(c.stream_interval),
                 *(["--emulator-port", str(site.worker_port)] if site.worker_port else []),
+                *(["--emulator-enable-faults"] if self.faults else []),
                 *_timings_args(c.timings.agent),
             ],
             as_=Identity(Role.SITE, site.name),
@@ -240,6 +253,8 @@ class Federation:
             shutil.rmtree(self._metrics_dir, ignore_errors=True)
         if self.ca is not None:
             self.ca.remove()
+        if self.join_token_file is not None:
+            self.join_token_file.unlink(missing_ok=True)
 
 
 @contextmanager

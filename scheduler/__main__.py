@@ -2,22 +2,20 @@
 
 Serves mutual TLS with a `scheduler` certificate and takes each call only from the roles that
 may make it (`core.authz`); `--insecure` serves plaintext instead, and then sites join only with
-the credential in FEDERATION_JOIN_TOKEN, when it is set (an environment variable, not a flag:
-command lines are visible to every user of the machine)."""
+the credential in `--join-token-file`, when one is given (a file of mode 0600: neither a flag's
+value, which every user of the machine sees, nor the environment, which every child inherits)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 
 import grpc
 import structlog
 
-from core import mtls, runtime, wire
+from core import credential, mtls, runtime, wire
 from core.authz import Guard
-from core.config import JOIN_TOKEN_ENV
 from core.pki import SCHEDULER
 from core.policy import POLICIES
 from core.settings import SchedulerTimings, add_timings_argument
@@ -41,20 +39,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rtt-ms", type=runtime.rtt_arg, action="append", default=[], help="REGION:REGION=MS, repeatable")
     add_timings_argument(p, SchedulerTimings)
     mtls.add_arguments(p, "scheduler")
+    credential.add_argument(p)
     args = p.parse_args(argv)
     args.tls = mtls.from_arguments(p, args, SCHEDULER)
+    args.join_credential = credential.from_arguments(p, args)
     return args
 
 
 async def serve(args: argparse.Namespace) -> int:
     rtt = runtime.rtt_map(args.rtt_ms)
-    credential = os.environ.get(JOIN_TOKEN_ENV, "")
     service = SchedulerService(
         args.model,
         rtt,
         args.policy,
         tokenizer=args.tokenizer,
-        join_credential=credential,
+        join_credential=args.join_credential,
         timings=args.timings,
         guard=Guard(args.tls),
     )

@@ -50,7 +50,7 @@ def mi355x() -> Iterator[Emulator]:
 @pytest.fixture
 def fresh_worker() -> Iterator[Emulator]:
     """One emulated MI300X worker of the test's own (faults, aborts, counters)."""
-    emu = launch(["--profile", "mi300x", "--workers", "1", "--speed", FAST])
+    emu = launch(["--profile", "mi300x", "--workers", "1", "--speed", FAST, "--enable-faults"])
     yield emu
     emu.stop()
 
@@ -66,9 +66,9 @@ def make_federation(tmp_path: Path) -> Iterator:
     """Starts small federations (Korea and the US, 4 GPUs each, speed 10) in-process; stops them after."""
     started: list[Federation] = []
 
-    def make(sites=SITES, insecure: bool = False, **options) -> tuple[Federation, Path]:
+    def make(sites=SITES, insecure: bool = False, faults: bool = False, **options) -> tuple[Federation, Path]:
         path, _ = _config(tmp_path, sites, **options)
-        fed = Federation(load(path), insecure=insecure)
+        fed = Federation(load(path), insecure=insecure, faults=faults)
         started.append(fed)
         fed.up()
         return fed, path

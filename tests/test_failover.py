@@ -74,7 +74,7 @@ async def test_streams_cut_by_a_dead_worker_continue_at_the_same_site(make_feder
     """A site whose worker dies mid-answer is not a failed site: its agent stops using the
     worker, and the cut streams continue at once on the site's other workers, with exact usage,
     no retry, and no circuit opened (the one site here could not be avoided anyway)."""
-    fed, _ = make_federation(speed=1, sites=[("us-mi355x", "us-west-2", "mi355x")])
+    fed, _ = make_federation(speed=1, sites=[("us-mi355x", "us-west-2", "mi355x")], faults=True)
     site = next(s for s in fed.config.sites if s.name == "us-mi355x")
     started = asyncio.Event()
     async with openai.AsyncOpenAI(base_url=_endpoint(fed) + "/v1", api_key="unused", max_retries=0) as client:
@@ -113,7 +113,7 @@ async def test_a_worker_that_cannot_be_reached_is_left_for_another(make_federati
     """Requests sent to a worker whose port closed before its health check noticed cannot
     connect: the agent gives each to another of its workers, as if new. Neither the client nor
     the gateway sees it: every answer whole, no retry."""
-    fed, _ = make_federation(speed=1, sites=[("us-mi355x", "us-west-2", "mi355x")])
+    fed, _ = make_federation(speed=1, sites=[("us-mi355x", "us-west-2", "mi355x")], faults=True)
     site = next(s for s in fed.config.sites if s.name == "us-mi355x")
     async with openai.AsyncOpenAI(base_url=_endpoint(fed) + "/v1", api_key="unused", max_retries=0) as client:
         async with aiohttp.ClientSession() as http:

@@ -82,17 +82,30 @@ async def test_die_resets_streams_and_closes_the_port(fresh_worker: Emulator, ht
     [{"slowdown": 0.5}, {"slowdown": "fast"}, {"hang": "yes"}, {"explode": True}],
     ids=["slowdown-below-1", "slowdown-type", "hang-type", "unknown-fault"],
 )
-async def test_bad_fault_requests_are_refused(mi355x: Emulator, http: aiohttp.ClientSession, faults) -> None:
+async def test_bad_fault_requests_are_refused(fresh_worker: Emulator, http: aiohttp.ClientSession, faults) -> None:
     """The fault endpoint refuses bad input with a 400 and changes nothing."""
-    resp = await _faults(http, mi355x.urls[0], **faults)
+    resp = await _faults(http, fresh_worker.urls[0], **faults)
     assert resp.status == 400
-    async with http.get(mi355x.urls[0] + "/_emulator/state") as state:
+    async with http.get(fresh_worker.urls[0] + "/_emulator/state") as state:
         assert (await state.json())["faults"] == {
             "slowdown": 1.0,
             "unhealthy": False,
             "hang": False,
             "dead": False,
         }
+
+
+async def test_without_enable_faults_nobody_can_break_a_worker(mi355x: Emulator, http: aiohttp.ClientSession) -> None:
+    """An emulator started without --enable-faults has no fault endpoints: anyone reaching its
+    port gets a 404 and the worker serves on, unchanged."""
+    url = mi355x.urls[0]
+    assert (await _faults(http, url, slowdown=4, unhealthy=True)).status == 404
+    async with http.post(url + "/_emulator/die") as resp:
+        assert resp.status == 404
+    async with http.get(url + "/health") as resp:
+        assert resp.status == 200
+    async with http.get(url + "/_emulator/state") as state:
+        assert (await state.json())["faults"] == {"slowdown": 1.0, "unhealthy": False, "hang": False, "dead": False}
 
 
 async def test_fault_flags_at_start(http: aiohttp.ClientSession) -> None:

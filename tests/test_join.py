@@ -7,6 +7,7 @@ only an operator may tell it to."""
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -14,9 +15,9 @@ import openai
 import pytest
 
 from core import wire
-from core.config import JOIN_TOKEN_ENV
+from core.credential import write_secret
 from core.pki import Identity, Role
-from core.processes import Child, free_port_block, start_python
+from core.processes import PROJECT_ROOT, Child, free_port_block, start_python
 from federation.drills.faults import poll_until
 from federation.embedded import Federation
 from nodes.emulator.launch import launch
@@ -29,7 +30,7 @@ def _status(path: Path, *flags: str) -> subprocess.CompletedProcess:
     return fedctl("status", "--config", str(path), *flags, timeout_s=30)
 
 
-def _agent(fed: Federation, *workers: str, port: int = 0, join: bool = True, credential: str = "") -> Child:
+def _agent(fed: Federation, *workers: str, port: int = 0, join: bool = True, credential: Path | None = None) -> Child:
     """A newcomer's agent, started by hand as an operator would, with its site's certificate
     from the federation's CA (plaintext with `credential` in an --insecure one), pointed at
     the schedulers (or, without `join`, waiting to be told them)."""
@@ -37,10 +38,11 @@ def _agent(fed: Federation, *workers: str, port: int = 0, join: bool = True, cre
     args = ["--site", NEWCOMER, "--region", "eu-central-1", "--gpu", "mi355x", "--gpus", "1"]
     args += ["--port", str(port or free_port_block(1)), *(schedulers if join else []), *workers]
     args += fed.tls_flags(Identity(Role.SITE, NEWCOMER))
-    return start_python(f"agent {NEWCOMER}", "nodes.agent", args, env={JOIN_TOKEN_ENV: credential})
+    args += ["--join-token-file", str(credential)] if credential else []
+    return start_python(f"agent {NEWCOMER}", "nodes.agent", args)
 
 
-def _refused_for(fed: Federation, path: Path, *workers: str, credential: str = "") -> str:
+def _refused_for(fed: Federation, path: Path, *workers: str, credential: Path | None = None) -> str:
     """Starts the newcomer, waits until `fedctl status` lists it as refused; the status text."""
     agent = _agent(fed, *workers, credential=credential)
     flags = () if fed.ca else ("--insecure",)
@@ -55,12 +57,26 @@ def _refused_for(fed: Federation, path: Path, *workers: str, credential: str = "
 
 
 @pytest.mark.timeout(120)
-def test_a_site_without_the_credential_is_refused_by_a_plaintext_federation(make_federation) -> None:
-    """--insecure: no certificates, so the join credential is the check. An agent with a wrong
-    one gets UNAUTHENTICATED and is shown as refused."""
+def test_a_site_without_the_credential_is_refused_by_a_plaintext_federation(make_federation, tmp_path: Path) -> None:
+    """--insecure: no certificates, so the join credential is the check, read from a file only
+    its user may read (never the environment). An agent with a wrong one gets UNAUTHENTICATED
+    and is shown as refused; one whose file others may read does not start."""
     fed, path = make_federation(insecure=True)
-    status = _refused_for(fed, path, "--emulate", "--speed", "10", credential="not-the-credential")
+    assert fed.join_token_file is not None and fed.join_token_file.stat().st_mode & 0o777 == 0o600
+    wrong = tmp_path / "wrong-token"
+    write_secret(wrong, "not-the-credential")
+    status = _refused_for(fed, path, "--emulate", "--speed", "10", credential=wrong)
     assert "did not present this federation's join credential" in status
+    wrong.chmod(0o644)
+    args = ["--site", NEWCOMER, "--region", "eu-central-1", "--gpu", "mi355x", "--gpus", "1", "--emulate"]
+    started = subprocess.run(
+        [sys.executable, "-m", "nodes.agent", *args, "--insecure", "--join-token-file", str(wrong)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=PROJECT_ROOT,
+    )
+    assert started.returncode == 2 and "readable by others (mode 644); chmod 600 it" in started.stderr
 
 
 @pytest.mark.timeout(120)

@@ -144,6 +144,7 @@ def bench_config(path: Path | None, speed: float | None, policy: str, stream_int
             rtt_ms={k: v / config.speed for k, v in config.rtt_ms.items()},
             control_rtt_ms=config.rtt_ms,
             gateway_processes=max(config.gateway_processes, BENCH_GATEWAY_PROCESSES),
+            max_connections_per_address=0,  # the load generator is one address
         )
     )
 

@@ -206,7 +206,9 @@ def _drill_embedded(args: argparse.Namespace, site: str, samples) -> dict[str, A
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.unlink(missing_ok=True)
     with log_path.open("a") as log:
-        federation = Federation(config, log, scheduler_links=SCENARIOS[args.scenario].needs_scheduler_links)
+        federation = Federation(
+            config, log, scheduler_links=SCENARIOS[args.scenario].needs_scheduler_links, faults=True
+        )
         try:
             federation.up()
             return _drill(Target.embedded(federation), args, site, samples)

@@ -20,6 +20,7 @@ from core.policy import POLICIES
 from core.settings import GatewayTimings, add_timings_argument
 from federation.gateway import metrics
 from federation.gateway.app import GatewayConfig, build_admin_app, build_app
+from federation.gateway.edge import EdgeLimits, EdgeSite, runner_options
 from federation.gateway.failover import FailoverConfig
 from federation.gateway.keys import KeyFileError, Keys
 
@@ -79,10 +80,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="serve /health and /metrics on this port (same host) and not on --port",
     )
+    edge = EdgeLimits()
+    p.add_argument(
+        "--idle-timeout-s",
+        type=runtime.positive_float,
+        default=edge.idle_timeout_s,
+        help="close a client connection idle this long, or whose request head has not all arrived by then",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=runtime.positive_float,
+        default=edge.body_timeout_s,
+        help="answer 408 to a request whose body has not all arrived this long after its head",
+    )
+    p.add_argument(
+        "--max-connections-per-address",
+        type=runtime.non_negative_int,
+        default=edge.max_connections_per_address,
+        help="open connections one client address may hold; more are answered 429 and closed (0: no cap; "
+        "behind a load balancer every client is its address)",
+    )
     add_timings_argument(p, GatewayTimings)
     mtls.add_arguments(p, "gateway")
     args = p.parse_args(argv)
     args.tls = mtls.from_arguments(p, args, GATEWAY)
+    args.edge = EdgeLimits(args.idle_timeout_s, args.max_connections_per_address, args.body_timeout_s)
     if args.api_keys is not None:
         try:
             Keys(args.api_keys)
@@ -111,6 +133,7 @@ async def serve(args: argparse.Namespace) -> int:
         api_keys=args.api_keys,
         limits_db=args.limits_db,
         admin_routes=args.admin_port is None,
+        edge=args.edge,
     )
     mtls.warn_if_insecure(args.tls, log)
     if args.api_keys is None:
@@ -118,16 +141,24 @@ async def serve(args: argparse.Namespace) -> int:
     app = build_app(config)
     # Cancel a handler when its client disconnects, so the site's work is aborted too.
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=args.timings.shutdown_grace_s
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=args.timings.shutdown_grace_s,
+        **runner_options(args.edge),
     )
     await runner.setup()
     runners = [runner]
     try:
-        await web.TCPSite(
-            runner, args.host, args.port, backlog=4096, reuse_address=True, reuse_port=args.reuse_port
+        await EdgeSite(
+            runner,
+            args.host,
+            args.port,
+            max_per_address=args.edge.max_connections_per_address,
+            reuse_port=args.reuse_port,
         ).start()
         if args.admin_port is not None:
-            runners.append(web.AppRunner(build_admin_app(app), access_log=None))
+            runners.append(web.AppRunner(build_admin_app(app), access_log=None, **runner_options(args.edge)))
             await runners[-1].setup()
             await web.TCPSite(
                 runners[-1], args.host, args.admin_port, reuse_address=True, reuse_port=args.reuse_port

@@ -24,11 +24,12 @@ import structlog
 from aiohttp import web
 
 from core import wire
-from core.errors import BadRequest, FederationError, RateLimited, TooBusy, Unauthorized
+from core.errors import BadRequest, FederationError, RateLimited, RequestTimeout, TooBusy, Unauthorized
 from core.mtls import INSECURE, Tls
 from core.settings import GatewayTimings
 from federation.gateway import admission, jobs, metrics
 from federation.gateway.admission import Admission
+from federation.gateway.edge import EdgeLimits
 from federation.gateway.failover import FailoverConfig, Generation, SiteBreakers
 from federation.gateway.keys import KeyLimits, Keys
 from federation.gateway.limits import Limiter
@@ -55,6 +56,7 @@ class GatewayConfig:
     api_keys: Path | None = None  # None: no key needed (an open endpoint, said loudly at start)
     limits_db: Path | None = None  # where processes sharing the port keep the keys' limits (None: here only)
     admin_routes: bool = True  # /health and /metrics on this listener (else on the admin listener only)
+    edge: EdgeLimits = field(default_factory=EdgeLimits)  # what one client connection may hold
 
 
 CONFIG_KEY = web.AppKey("config", GatewayConfig)
@@ -80,7 +82,10 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return await handler(request)
     except FederationError as exc:
         headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, TooBusy) else None
-        return _json(exc.body(), exc.status, headers)
+        response = _json(exc.body(), exc.status, headers)
+        if isinstance(exc, RequestTimeout):
+            response.force_close()  # the rest of that body is not awaited on this connection
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -117,8 +122,14 @@ def _request_id(request: web.Request) -> str:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
+    timeout_s = request.app[CONFIG_KEY].edge.body_timeout_s
     try:
-        body = orjson.loads(await request.read())
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise RequestTimeout(f"The request body did not arrive within {timeout_s:g} s.") from None
+    try:
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"The body is not valid JSON: {exc.msg} at position {exc.pos}.") from None
     if not isinstance(body, dict):

@@ -55,7 +55,7 @@ def _is_token(v: Any) -> bool:
 
 def _count(text: str, context_tokens: int, param: str) -> int:
     try:
-        return tokens.count(text)
+        return tokens.count(text, limit=context_tokens)
     except tokens.PromptTooLong as exc:
         raise BadRequest(
             f"The input is longer than the model's context of {context_tokens} tokens: {exc}.", param=param

@@ -74,6 +74,11 @@ REFUSED_KEYS = Counter(
     registry=REGISTRY,
 )
 
+REFUSED_CONNECTIONS = Counter(
+    "federation_gateway_refused_connections",
+    "Connections answered 429 and closed at once: their client address had its cap of open ones.",
+    registry=REGISTRY,
+)
 
 # Tokens relayed since the last flush, by site: counted per chunk here (`RELAYED[site] += n`, a
 # dict add), and added to the Prometheus counter once a FLUSH_INTERVAL_S and as each request ends

@@ -9,7 +9,7 @@ registers the model and tokenizer its workers say they serve. It serves and dial
 with its site's certificate (`--ca/--cert/--key`, from `fedctl ca issue --site NAME`): the
 schedulers take it as that site only, and it takes Generate calls only from gateways and Join
 calls only from operators. `--insecure` runs plaintext instead, presenting the join credential
-in FEDERATION_JOIN_TOKEN when the federation has one. Started without `--scheduler`, it serves
+in `--join-token-file` (mode 0600) when the federation has one. Started without `--scheduler`, it serves
 and waits until `fedctl site add --agent HOST:PORT` (presenting that credential) names them.
 """
 
@@ -18,16 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
 import sys
 
 import aiohttp
 import grpc
 import structlog
 
-from core import mtls, runtime, wire
+from core import credential, mtls, runtime, wire
 from core.authz import Guard
-from core.config import JOIN_TOKEN_ENV
 from core.pki import Identity, Role
 from core.settings import AgentTimings, add_timings_argument
 from nodes.agent import calibrate
@@ -78,9 +76,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="decode steps between a stream's events, as SGLang's --stream-interval (with --emulate)",
     )
+    p.add_argument(
+        "--emulator-enable-faults",
+        action="store_true",
+        help="the emulated workers serve their drill faults (with --emulate; see the emulator's --enable-faults)",
+    )
     add_timings_argument(p, AgentTimings)
     mtls.add_arguments(p, "site")
+    credential.add_argument(p)
     args = p.parse_args(argv)
+    args.join_credential = credential.from_arguments(p, args)
     args.tls = mtls.from_arguments(p, args, Identity(Role.SITE, args.site))
     if args.gpus < 1:
         p.error("--gpus must be >= 1")
@@ -105,6 +110,7 @@ async def serve(args: argparse.Namespace) -> int:
                 args.model,
                 "--incremental-streaming-output",  # deltas: no answer repeated in every event
                 *("--stream-interval", str(args.emulator_stream_interval)),
+                *(["--enable-faults"] if args.emulator_enable_faults else []),
             ],
             port=args.emulator_port,
         )
@@ -126,8 +132,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     pool = WorkerPool(urls, session, args.timings)
     await pool.check_all()
     address = f"{args.host}:{args.port}"
-    credential = os.environ.get(JOIN_TOKEN_ENV, "")
-    gate = JoinGate(args.site, args.region, args.gpu, args.gpus, credential, args.scheduler or [])
+    gate = JoinGate(args.site, args.region, args.gpu, args.gpus, args.join_credential, args.scheduler or [])
     service = SiteAgentService(args.site, pool, session, gate, args.advertise or address, Guard(args.tls))
     server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
     wire.add_site_agent_to_server(service, server)
@@ -153,7 +158,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
         reporter = ReportFeed(
             await _registration(args, pool, service.address, *served),
             service.next_report,
-            credential,
+            args.join_credential,
             args.timings,
             args.tls,
         )

@@ -50,7 +50,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None, help="defaults to --model-path")
     p.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
     p.add_argument("--incremental-streaming-output", action="store_true")
-    faults = p.add_argument_group("faults (for drills; also settable at POST /_emulator/faults)")
+    faults = p.add_argument_group("faults (for drills)")
+    faults.add_argument(
+        "--enable-faults",
+        action="store_true",
+        help="serve POST /_emulator/faults and /_emulator/die, which break this worker for anyone who "
+        "reaches its port (drills only; without it they do not exist)",
+    )
     faults.add_argument("--slowdown", type=runtime.at_least_one, default=1.0, help="brownout factor")
     faults.add_argument("--unhealthy", action="store_true", help="health checks answer 503")
     faults.add_argument("--hang", action="store_true", help="accept requests, never answer")
@@ -88,7 +94,11 @@ def worker_configs(args: argparse.Namespace) -> list[WorkerConfig]:
 async def serve(args: argparse.Namespace) -> int:
     tokens.synthetic_text()  # build once, before the first request pays for it
     servers = [
-        WorkerServer(c, Faults(slowdown=args.slowdown, unhealthy=args.unhealthy, hang=args.hang))
+        WorkerServer(
+            c,
+            Faults(slowdown=args.slowdown, unhealthy=args.unhealthy, hang=args.hang),
+            fault_endpoints=args.enable_faults,
+        )
         for c in worker_configs(args)
     ]
     stop = runtime.stop_event()

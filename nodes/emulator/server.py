@@ -3,7 +3,9 @@
 Also the drill faults, under /_emulator/ where nobody mistakes them for SGLang:
 `GET /_emulator/state`, `POST /_emulator/faults` (slowdown, unhealthy, hang) and
 `POST /_emulator/die` (the port closes and every open connection is reset, as when
-an SGLang process is killed).
+an SGLang process is killed). The two that break a worker exist only when the emulator is
+started with `--enable-faults` (a drill's federation): anyone who reaches a worker's port could
+call them.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ async def handle_die(request: web.Request) -> web.Response:
 class WorkerServer:
     """One emulated GPU behind its own port."""
 
-    def __init__(self, config: WorkerConfig, faults: Faults | None = None) -> None:
+    def __init__(self, config: WorkerConfig, faults: Faults | None = None, *, fault_endpoints: bool = False) -> None:
         self.config = config
         self.worker = EmulatedWorker(config, faults)
         app = web.Application(middlewares=[body_error_middleware, fault_middleware], client_max_size=64 * 1024**2)
@@ -110,8 +112,9 @@ class WorkerServer:
         for method, path, handler in native_api.ROUTES + openai_api.ROUTES:
             app.router.add_route(method, path, handler)
         app.router.add_get(ADMIN_PREFIX + "state", handle_state)
-        app.router.add_post(ADMIN_PREFIX + "faults", handle_faults)
-        app.router.add_post(ADMIN_PREFIX + "die", handle_die)
+        if fault_endpoints:  # anyone reaching the port could break the worker: drills only
+            app.router.add_post(ADMIN_PREFIX + "faults", handle_faults)
+            app.router.add_post(ADMIN_PREFIX + "die", handle_die)
         # Cancel a handler when its client disconnects, so the request is aborted
         # at the engine (aiohttp's test server does this; run_app does not by default).
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
