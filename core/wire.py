@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 from proto import federation_pb2 as pb
 from proto import federation_pb2_grpc as pb_grpc
+
+# What a request id may be, from a client (X-Request-Id) to a site: anything else is replaced at
+# the gateway and refused at an agent.
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 SchedulerServicer = pb_grpc.SchedulerServicer
 SiteAgentServicer = pb_grpc.SiteAgentServicer
@@ -333,8 +338,8 @@ def federation_state_from_pb(m: pb.FederationState) -> FederationState:
 
 
 def generate_command_from_pb(m: pb.GenerateCommand) -> GenerateCommand:
-    """A start whose sampling_params_json is not a JSON object is `refused`, not raised: the
-    other starts of the same message go on."""
+    """A start whose sampling_params_json is not a JSON object, or whose request id is not one,
+    is `refused`, not raised: the other starts of the same message go on."""
     starts, refused = [], []
     for r in m.start:
         try:
@@ -343,6 +348,9 @@ def generate_command_from_pb(m: pb.GenerateCommand) -> GenerateCommand:
             params = None
         if not isinstance(params, dict):
             refused.append((r.stream, "sampling_params_json must be a JSON object"))
+            continue
+        if not REQUEST_ID.match(r.request_id):
+            refused.append((r.stream, f"request_id must match {REQUEST_ID.pattern}"))
             continue
         request = GenerateRequest(r.request_id, r.prompt_tokens, params, r.text, tuple(r.input_ids), r.every_event)
         starts.append((r.stream, request))

@@ -9,6 +9,7 @@ fedctl bench [--scenario offline|server] [--json FILE]  throughput and latency (
 fedctl drill SCENARIO [--json FILE] [--png FILE]       a fault under load (fedctl drill -h)
 fedctl ca init | ca issue --site NAME | --role ROLE    the federation's CA and certificates (mutual TLS)
 fedctl keys add NAME [--rpm N] [--tpm N] [--max-concurrent N]   an API key for the gateway, printed once
+fedctl fuzz [--http N] [--grpc N] [--json FILE]        generated hostile requests while valid traffic flows
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from core.config import ConfigError, SiteConfig, load
 from core.gpus import PROFILES
 from core.policy import POLICIES
 from core.processes import StartFailed, free_port_block
-from federation import admin, control
+from federation import admin, control, fuzz
 from federation.bench import run as bench
 from federation.drills import run as drills
 from federation.embedded import Federation
@@ -125,6 +126,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     bench.add_arguments(sub.add_parser("bench", help="measure the federation, its sites alone and the peers"))
     drills.add_arguments(sub.add_parser("drill", help="inject a fault under load and measure what it cost"))
+    fuzz.add_arguments(sub.add_parser("fuzz", help="send generated hostile requests while valid traffic flows"))
     return p.parse_args(argv)
 
 
@@ -452,10 +454,10 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-    """bench and drill: long runs that start their own federation."""
+    """bench, drill and fuzz: long runs that start their own federation."""
     signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: every process the run started stops too
     try:
-        return bench.main(args) if args.command == "bench" else drills.main(args)
+        return {"bench": bench.main, "drill": drills.main, "fuzz": fuzz.main}[args.command](args)
     except KeyboardInterrupt:
         print(f"fedctl {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -467,7 +469,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.command in ("bench", "drill"):
+        if args.command in ("bench", "drill", "fuzz"):
             return cmd_measure(args)
         if args.command == "site":
             return cmd_site(args)

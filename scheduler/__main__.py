@@ -14,7 +14,7 @@ import sys
 import grpc
 import structlog
 
-from core import credential, mtls, runtime, wire
+from core import credential, mtls, runtime, unreadable, wire
 from core.authz import Guard
 from core.pki import SCHEDULER
 from core.policy import POLICIES
@@ -57,7 +57,7 @@ async def serve(args: argparse.Namespace) -> int:
         timings=args.timings,
         guard=Guard(args.tls),
     )
-    server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
+    server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS, interceptors=[unreadable.Refuse()])
     wire.add_scheduler_to_server(service, server)
     address = f"{args.host}:{args.port}"
     mtls.warn_if_insecure(args.tls, log)

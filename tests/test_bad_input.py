@@ -57,6 +57,12 @@ GENERATE_CASES = [
         id="no-prompt",
     ),
     pytest.param(
+        {"text": ""},
+        400,
+        lambda b: b == {"error": {"message": "input_ids cannot be empty."}},
+        id="empty-text",  # nothing to prefill: a step never takes it (it wedged a worker's engine once)
+    ),
+    pytest.param(
         {"text": TOO_LONG},
         400,
         lambda b: (

@@ -10,7 +10,6 @@ it went.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -38,7 +37,6 @@ from federation.gateway.schedulers import Schedulers
 from federation.gateway.upstream import Upstream
 
 log = structlog.get_logger("gateway")
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +116,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 def _request_id(request: web.Request) -> str:
     given = request.headers.get("X-Request-Id", "")
-    return given if _REQUEST_ID.match(given) else "req-" + uuid.uuid4().hex
+    return given if wire.REQUEST_ID.match(given) else "req-" + uuid.uuid4().hex
 
 
 async def _body(request: web.Request) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import aiohttp
 import grpc
 import structlog
 
-from core import credential, mtls, runtime, wire
+from core import credential, mtls, runtime, unreadable, wire
 from core.authz import Guard
 from core.pki import Identity, Role
 from core.settings import AgentTimings, add_timings_argument
@@ -134,7 +134,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     address = f"{args.host}:{args.port}"
     gate = JoinGate(args.site, args.region, args.gpu, args.gpus, args.join_credential, args.scheduler or [])
     service = SiteAgentService(args.site, pool, session, gate, args.advertise or address, Guard(args.tls))
-    server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
+    server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS, interceptors=[unreadable.Refuse()])
     wire.add_site_agent_to_server(service, server)
     mtls.warn_if_insecure(args.tls, log)
     try:

@@ -16,7 +16,7 @@ import aiohttp
 import grpc
 import structlog
 
-from core import wire
+from core import unreadable, wire
 from core.authz import UNGUARDED, Guard
 from core.work import expected_output_tokens
 from nodes.agent import sglang, worker_stream
@@ -118,6 +118,8 @@ class SiteAgentService(wire.SiteAgentServicer):
                 pb = await context.read()
                 if pb is grpc.aio.EOF:
                     break
+                if unreadable.unreadable(pb):
+                    await unreadable.abort(context, pb)
                 command = wire.generate_command_from_pb(pb)
                 for stream, why in command.refused:
                     Relayed(relay, stream, False).fail(wire.StreamError.REJECTED, why)

@@ -54,7 +54,9 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
     if text is not None:
         if not isinstance(text, str):
             raise RequestError("The emulator serves one prompt per request; send `text` as a string.")
-        return count_prompt(text)
+        if not (count := count_prompt(text)):  # nothing to prefill: no step would ever take it
+            raise RequestError("input_ids cannot be empty.")
+        return count
     if not isinstance(input_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in input_ids):
         raise RequestError("The emulator serves one prompt per request; send `input_ids` as a list of ints.")
     if not input_ids:
