@@ -48,6 +48,7 @@ FUZZ_SITE = "fuzz-site"
 ANSWER_TIMEOUT_S = 10.0  # a request with no status by then is counted as unanswered
 READ_S = 1.0  # of an answer's body, at most (a generation's first bytes are enough)
 CALL_TIMEOUT_S = 5.0
+HTTP_IN_FLIGHT = 16
 VALID_STREAMS = 8  # the users' closed loop, meanwhile
 VALID_TIMEOUT_S = 120.0  # for one of its chats (16 tokens): far past any wait a working federation has
 EXAMPLES_KEPT = 10  # failures kept in the report, per kind
@@ -131,7 +132,8 @@ def _mutated(path: str) -> st.SearchStrategy[Any]:
             if drop:
                 body.pop(name, None)
             else:
-                target = body["sampling_params"] if name == "max_new_tokens" and "sampling_params" in body else body
+                nested = body.get("sampling_params")
+                target = nested if name == "max_new_tokens" and isinstance(nested, dict) else body
                 target[name] = value
         return body
 
@@ -306,7 +308,6 @@ class _Loop:
 
 
 async def _send(http: aiohttp.ClientSession, base: str, case: HttpCase, tally: Tally) -> None:
-    tally.sent += 1
     try:
         async with asyncio.timeout(ANSWER_TIMEOUT_S):
             response = await http.request(case.method, base + case.path, data=case.body, headers=case.headers)
@@ -361,20 +362,30 @@ def _no_examples_db(n: int) -> settings:
 
 
 def fuzz_http(base: str, loop: _Loop, n: int) -> Tally:
+    """`n` generated requests, up to HTTP_IN_FLIGHT at a time: generating the next while the
+    gateway answers the last keeps both cores busy."""
     tally = Tally()
 
     async def session() -> aiohttp.ClientSession:
         return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
 
     http = loop.run(session())
+    room = threading.BoundedSemaphore(HTTP_IN_FLIGHT)
+    sending: list[Any] = []
 
     @_no_examples_db(n)
     @given(http_cases())
     def send(case: HttpCase) -> None:
-        loop.run(_send(http, base, case, tally))
+        room.acquire()
+        tally.sent += 1  # counted here: hypothesis stops asking once `n` are under way
+        future = asyncio.run_coroutine_threadsafe(_send(http, base, case, tally), loop.loop)
+        future.add_done_callback(lambda _: room.release())
+        sending.append(future)
 
     while tally.sent < n:  # hypothesis may stop short of max_examples (it skips what it has seen)
         send()
+    for future in sending:
+        future.result()
     loop.run(http.close())
     return tally
 
