@@ -447,7 +447,7 @@ class SiteAgentServicer:
     def Join(self, request, context):
         """An agent started without schedulers joins the ones named here (`fedctl site add --agent`).
         It refuses with FAILED_PRECONDITION a site other than the one it runs, or schedulers other
-        than those it already joined; with a join credential in its environment, the call must carry
+        than those it already joined; with a join credential (--join-token-file), the call must carry
         it as RegisterSite does (UNAUTHENTICATED), so no one else can point it elsewhere.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -3,7 +3,7 @@
 Two things a hostile client can do to an HTTP server without sending a single valid request:
 hold connections open (idle, or trickling a header a byte at a time), and open so many that
 everyone else is refused by the process's descriptor limit. The first is bounded by aiohttp's
-keep-alive timer, which (from aiohttp 3.10) runs from the moment a connection opens until a
+keep-alive timer, which (from aiohttp 3.14) runs from the moment a connection opens until a
 whole request head has arrived, and again between requests: `runner_options` sets it. The
 second is bounded here: `EdgeSite` counts each address's open connections and answers one over
 the cap with a 429 and closes it, before aiohttp reads a byte of it.
