@@ -88,3 +88,9 @@ class RateLimited(TooBusy):
     any site is asked, so it costs the federation nothing."""
 
     code = "rate_limit_exceeded"
+
+
+class TooManyConnections(TooBusy):
+    """The client's address holds as many open connections as the gateway allows it (HTTP 429)."""
+
+    code = "too_many_connections"

@@ -22,6 +22,7 @@ from typing import Any, cast
 import orjson
 from aiohttp import web
 
+from core.errors import TooManyConnections
 from federation.gateway import metrics
 
 
@@ -44,19 +45,14 @@ def runner_options(limits: EdgeLimits) -> dict[str, Any]:
 
 
 def _too_many(limit: int) -> bytes:
-    body = orjson.dumps(
-        {
-            "error": {
-                "message": f"Too many connections from your address (at most {limit}); reuse connections.",
-                "type": "rate_limit_exceeded",
-                "param": None,
-                "code": "too_many_connections",
-            }
-        }
+    """A whole HTTP answer: aiohttp never sees the connection, so it is written raw."""
+    error = TooManyConnections(
+        f"Too many connections from your address (at most {limit}); reuse connections.", retry_after_s=1
     )
+    body = orjson.dumps(error.body())
     head = (
-        "HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-        f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"HTTP/1.1 {error.status} Too Many Requests\r\nContent-Type: application/json\r\n"
+        f"Retry-After: {error.retry_after_s}\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
 
