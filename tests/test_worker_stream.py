@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from nodes.agent import worker_stream
+from nodes.agent.pool import Worker
 from nodes.agent.sglang import WorkerFailed, WorkerRejected, WorkerUnreachable
 from nodes.emulator.launch import EmulatorProcess as Emulator
 from nodes.emulator.launch import launch
@@ -44,7 +45,7 @@ def incremental() -> Iterator[Emulator]:
 async def _generate(url: str, *, incremental: bool, payload: dict | None = None) -> Events:
     events = Events()
     call = await worker_stream.start(
-        url, payload or PAYLOAD, incremental=incremental, on_event=events, connect_timeout_s=5.0
+        url, payload or PAYLOAD, incremental=incremental, on_event=events, heard=Worker(url), connect_timeout_s=5.0
     )
     try:
         async with asyncio.timeout(30):
@@ -81,7 +82,12 @@ async def test_a_closed_port_is_unreachable() -> None:
     """Nothing listening: WorkerUnreachable (another worker may take the request as new)."""
     with pytest.raises(WorkerUnreachable):
         await worker_stream.start(
-            "http://127.0.0.1:9", PAYLOAD, incremental=False, on_event=Events(), connect_timeout_s=5.0
+            "http://127.0.0.1:9",
+            PAYLOAD,
+            incremental=False,
+            on_event=Events(),
+            heard=Worker("http://127.0.0.1:9"),
+            connect_timeout_s=5.0,
         )
 
 

@@ -63,6 +63,7 @@ async def _one(worker: Worker, timings: AgentTimings) -> float | None:
                 payload,
                 incremental=worker.incremental,
                 on_event=on_event,
+                heard=worker,
                 connect_timeout_s=timings.connect_timeout_s,
             )
             await call.done

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -41,6 +42,7 @@ class Worker:
     outstanding_tokens: int = 0
     stats: WorkerStats | None = field(default=None)
     info: WorkerInfo | None = None  # None until /server_info was read
+    last_event_at: float = 0.0  # monotonic time of the last stream event any call on it received
 
     @property
     def incremental(self) -> bool:
@@ -139,6 +141,7 @@ class WorkerPool:
                 log.exception("worker.check_failed", worker=worker.url)
 
     async def _check(self, worker: Worker) -> None:
+        checked_at = time.monotonic()
         if worker.info is None:
             worker.info = await sglang.server_info(self.session, worker.url, self.timings.health_timeout_s)
         health, stats = await asyncio.gather(
@@ -155,6 +158,12 @@ class WorkerPool:
                 log.info("worker.healthy", worker=worker.url)
             worker.healthy, worker.failures = True, 0
             self._dispatch()
+            return
+        if health is not sglang.Health.FAILING and worker.last_event_at >= checked_at:
+            # Unanswered, but its answers flowed meanwhile: a worker too busy to answer in time, or
+            # this loop stalled past the timeout (a collection, a burst). Streams are the proof of
+            # life that matters: giving it up would cut every one of them.
+            worker.failures = 0
             return
         worker.failures += 1
         if worker.healthy and worker.failures >= FAILURES_TO_UNHEALTHY:

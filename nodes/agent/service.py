@@ -216,6 +216,7 @@ class SiteAgentService(wire.SiteAgentServicer):
                 payload,
                 incremental=worker.incremental,
                 on_event=record.event,
+                heard=worker,
                 connect_timeout_s=self.timings.connect_timeout_s,
             )
             self._calls[call] = worker
@@ -225,10 +226,12 @@ class SiteAgentService(wire.SiteAgentServicer):
             worker_done = True
             raise
         except sglang.WorkerFailed as exc:
+            hung = worker.failures >= FAILURES_TO_UNHEALTHY
             self.pool.mark_failed(worker)
-            # A lost connection ended the request at the worker: no abort to send (a dead
-            # worker takes hundreds of streams with it, and their aborts would only be refused).
-            worker_done = exc.connection_lost
+            # A lost connection ended the request at the worker, and a hung worker learns it from
+            # the connection closed here: no abort to send (a dead or hung worker takes thousands
+            # of streams with it, and their aborts would only be refused or queue behind the hang).
+            worker_done = exc.connection_lost or hung
             raise
         finally:
             if call is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import httptools
@@ -36,13 +36,21 @@ MAX_ERROR_BODY_BYTES = 64 * 1024  # a refusal's body; SGLang's are a few hundred
 OnEvent = Callable[[str, list[int], int, int, dict[str, Any] | None], None]
 
 
+class Heard(Protocol):
+    """Whatever keeps the time of the last event any of a worker's calls received (the pool's
+    `Worker`): a worker that streams is alive, whatever its health checks say."""
+
+    last_event_at: float
+
+
 class WorkerCall(asyncio.Protocol):
     """One request's connection to a worker: writes the request, parses the answer's events."""
 
-    def __init__(self, request: bytes, *, incremental: bool, on_event: OnEvent) -> None:
+    def __init__(self, request: bytes, *, incremental: bool, on_event: OnEvent, heard: Heard) -> None:
         self._request = request
         self._incremental = incremental
         self._on_event = on_event
+        self._heard = heard
         self._parser = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
         self._status = 0
@@ -157,12 +165,12 @@ class WorkerCall(asyncio.Protocol):
             text, ids = text[self._sent_text :], ids[self._sent_ids :]
             self._sent_text += len(text)
             self._sent_ids += len(ids)
-        self.last_event_at = time.monotonic()
+        self.last_event_at = self._heard.last_event_at = time.monotonic()
         self._on_event(text, ids, meta["completion_tokens"], meta.get("prompt_tokens", 0), meta["finish_reason"])
 
 
 async def start(
-    url: str, payload: dict[str, Any], *, incremental: bool, on_event: OnEvent, connect_timeout_s: float
+    url: str, payload: dict[str, Any], *, incremental: bool, on_event: OnEvent, heard: Heard, connect_timeout_s: float
 ) -> WorkerCall:
     """POST `payload` to the worker's /generate as a stream; events go to `on_event` as they
     arrive. Raises WorkerUnreachable if no connection can be made."""
@@ -174,7 +182,7 @@ async def start(
         f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     )
-    call = WorkerCall(head.encode() + body, incremental=incremental, on_event=on_event)
+    call = WorkerCall(head.encode() + body, incremental=incremental, on_event=on_event, heard=heard)
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(connect_timeout_s):
