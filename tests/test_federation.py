@@ -159,6 +159,23 @@ async def test_chat_and_completion_with_usage(client: openai.AsyncOpenAI) -> Non
     assert chunks[-1].usage.completion_tokens == 40
 
 
+async def test_fields_that_ask_for_nothing_are_served(client: openai.AsyncOpenAI) -> None:
+    """Fields the endpoint does not honour yet pass when their value asks for nothing (no tools,
+    plain text, no logprobs), as clients send them by default."""
+    chat = await client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=5,
+        tools=[],
+        tool_choice="auto",
+        response_format={"type": "text"},
+        logprobs=False,
+    )
+    assert chat.choices[0].message.content
+    comp = await client.completions.create(model=MODEL, prompt="Once", max_tokens=5, echo=False, best_of=1)
+    assert comp.choices[0].text
+
+
 async def test_continuous_usage_says_the_tokens_so_far(client: openai.AsyncOpenAI) -> None:
     """With `continuous_usage_stats` every streamed text chunk says the tokens so far, chat and
     completion alike (a client that stops reading knows what it received), ending at the total."""
@@ -269,6 +286,30 @@ BAD_REQUESTS = [
     pytest.param(
         {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400, id="part-type"
     ),
+    *(
+        pytest.param({"model": MODEL, "messages": MESSAGES, field: value}, 400, id=f"not-honoured-{field}-{i}")
+        for i, (field, value) in enumerate(
+            [
+                ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+                ("tools", "not a list"),
+                ("tool_choice", "required"),
+                ("tool_choice", 7),
+                ("response_format", {"type": "json_object"}),
+                ("response_format", {"type": "bogus"}),
+                ("logprobs", True),
+                ("logprobs", "yes"),
+                ("top_logprobs", 5),
+                ("logit_bias", {"1000": 5}),
+                ("logit_bias", "x"),
+                ("best_of", -3),
+            ]
+        )
+    ),
+    pytest.param(
+        {"model": MODEL, "messages": [*MESSAGES, {"role": "assistant", "tool_calls": [{"id": "c"}]}]},
+        400,
+        id="history-with-tool-calls",
+    ),
 ]
 
 
@@ -284,6 +325,10 @@ async def test_bad_requests_never_reach_a_worker(federation, http: aiohttp.Clien
         assert resp.status == status
         error = (await resp.json())["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
+    fields = ("tools", "tool_choice", "response_format", "logprobs", "top_logprobs")
+    named = next((f for f in fields if f in body), None) if isinstance(body, dict) else None
+    if named:
+        assert error["param"] == named, error  # the field refused is named, not ignored
     assert sum(s["routed_requests"] for s in _status(path)["sites"]) == routed
     assert await _worker_totals(http, ports, SERVED, ABORTED) == seen
 

@@ -32,6 +32,28 @@ _SAMPLING_FIELDS = {
 }
 _NUMBER_FIELDS = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
 _INT_FIELDS = {"top_k", "seed", "min_tokens"}
+# OpenAI fields this endpoint does not honour yet (tools, structured output and logprobs are
+# issue #18), with the values that ask for nothing. Any other value is refused, naming the
+# field: a client that asked for a tool call or a JSON schema must not get plain text back as
+# if it had not asked.
+_NOT_HONOURED: dict[str, tuple[Any, ...]] = {
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+    "store": (False,),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +93,15 @@ def _check_model(body: dict[str, Any], served: str) -> str:
     return model
 
 
+def _refuse_not_honoured(body: dict[str, Any]) -> None:
+    for name, asks_nothing in _NOT_HONOURED.items():
+        value = body.get(name)
+        if value is not None and not any(type(value) is type(v) and value == v for v in asks_nothing):
+            raise BadRequest(f"`{name}` is not supported by this endpoint yet; send the request without it", param=name)
+
+
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    _refuse_not_honoured(body)
     params: dict[str, Any] = {}
     for name, sglang_name in _SAMPLING_FIELDS.items():
         value = body.get(name)
@@ -175,6 +205,8 @@ def chat_job(body: dict[str, Any], *, request_id: str, served_model: str, contex
             content = "".join(texts)
         if content is not None and not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        if m.get("tool_calls") or m.get("function_call"):
+            raise BadRequest(f"messages[{i}]: tool calls are not supported by this endpoint yet", param="messages")
         rendered.append({"role": m["role"], "content": content or ""})
     effort = body.get("reasoning_effort", "medium")
     if effort not in ("low", "medium", "high"):
