@@ -43,8 +43,8 @@ def _report(tmp_path: Path, proc: subprocess.CompletedProcess) -> dict:
     return json.loads((tmp_path / "drill.json").read_text())
 
 
-def _drill(tmp_path: Path, scenario: str, *args: str) -> dict:
-    path, _ = _config(tmp_path, SITES, scheduler="replicas: 2")
+def _drill(tmp_path: Path, scenario: str, *args: str, scheduler: str = "replicas: 2") -> dict:
+    path, _ = _config(tmp_path, SITES, scheduler=scheduler)
     common = ["--config", str(path), "--speed", "10", "--heal-after-s", "3"]
     return _report(tmp_path, _fedctl_drill(tmp_path, scenario, *common, *args))
 
@@ -52,8 +52,10 @@ def _drill(tmp_path: Path, scenario: str, *args: str) -> dict:
 @pytest.mark.timeout(180)
 def test_site_crash_drill_loses_nothing(tmp_path: Path) -> None:
     """Korea's agent and workers are killed under load: the crash is seen within a second, the
-    requests it held are resumed or retried on the US site, and none is lost or failed."""
-    report = _drill(tmp_path, "site-crash")
+    requests it held are resumed or retried on the US site, and none is lost or failed. (Round
+    robin keeps half the requests at Korea: with this light load, least expected delay sent it
+    so few that at the crash it sometimes held none, and there was nothing to resume.)"""
+    report = _drill(tmp_path, "site-crash", scheduler="replicas: 2, policy: round_robin")
     assert KEYS <= set(report)
     assert report["scenario"] == "site-crash" and report["site"] == "kr-mi300x"
     assert report["requests_sent"] > 60 and report["requests_failed"] == 0 and report["lost"] == 0, report["errors"]

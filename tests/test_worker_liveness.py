@@ -33,6 +33,7 @@ async def test_a_streaming_worker_whose_checks_time_out_keeps_its_streams() -> N
     agent_args += ["--worker-url", emulator.urls[0]]
     agent = start_python("agent", "nodes.agent", agent_args)
     upstream = Upstream()
+    stream: SiteStream | None = None
     try:
         tokens: list[int] = []
         req = wire.GenerateRequest(
@@ -49,6 +50,9 @@ async def test_a_streaming_worker_whose_checks_time_out_keeps_its_streams() -> N
             async with http.post(emulator.urls[0] + "/_emulator/faults", json={"hang": True}) as resp:
                 assert resp.status == 200
             hung_at = asyncio.get_running_loop().time()
+            with pytest.raises(TimeoutError):  # its checks go unanswered from now on
+                async with http.get(emulator.urls[0] + "/health", timeout=aiohttp.ClientTimeout(total=1.0)):
+                    pass
             async with asyncio.timeout(60):
                 await stream.done
             streamed_s = asyncio.get_running_loop().time() - hung_at
@@ -56,7 +60,8 @@ async def test_a_streaming_worker_whose_checks_time_out_keeps_its_streams() -> N
         two_checks_s = 2 * (TIMINGS["health_interval_s"] + TIMINGS["health_timeout_s"])
         assert streamed_s > 2 * two_checks_s, f"the answer ended {streamed_s:.1f} s after: too soon to show anything"
     finally:
-        stream.close()
+        if stream is not None:
+            stream.close()
         await upstream.close()
         agent.stop()
         emulator.stop()

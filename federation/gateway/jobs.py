@@ -101,7 +101,6 @@ def _refuse_not_honoured(body: dict[str, Any]) -> None:
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    _refuse_not_honoured(body)
     params: dict[str, Any] = {}
     for name, sglang_name in _SAMPLING_FIELDS.items():
         value = body.get(name)
@@ -188,6 +187,7 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
 
 def chat_job(body: dict[str, Any], *, request_id: str, served_model: str, context_tokens: int) -> Job:
     model = _check_model(body, served_model)
+    _refuse_not_honoured(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("`messages` must be a non-empty list of messages", param="messages")
@@ -205,8 +205,10 @@ def chat_job(body: dict[str, Any], *, request_id: str, served_model: str, contex
             content = "".join(texts)
         if content is not None and not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise BadRequest(f"messages[{i}]: tool calls are not supported by this endpoint yet", param="messages")
+        if m.get("tool_calls") or m.get("function_call") or m["role"] == "tool":
+            raise BadRequest(
+                f"messages[{i}]: tool calls and tool results are not supported by this endpoint yet", param="messages"
+            )
         rendered.append({"role": m["role"], "content": content or ""})
     effort = body.get("reasoning_effort", "medium")
     if effort not in ("low", "medium", "high"):
@@ -224,6 +226,7 @@ def chat_job(body: dict[str, Any], *, request_id: str, served_model: str, contex
 
 def completion_job(body: dict[str, Any], *, request_id: str, served_model: str, context_tokens: int) -> Job:
     model = _check_model(body, served_model)
+    _refuse_not_honoured(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]

@@ -162,7 +162,9 @@ class WorkerPool:
         if health is not sglang.Health.FAILING and worker.last_event_at >= checked_at:
             # Unanswered, but its answers flowed meanwhile: a worker too busy to answer in time, or
             # this loop stalled past the timeout (a collection, a burst). Streams are the proof of
-            # life that matters: giving it up would cut every one of them.
+            # life that matters: giving it up would cut every one of them. (A worker that streams
+            # but takes no new request keeps its place until its streams end; then its checks
+            # count, and the requests waiting at it fail over.)
             worker.failures = 0
             return
         worker.failures += 1

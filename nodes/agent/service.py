@@ -226,7 +226,10 @@ class SiteAgentService(wire.SiteAgentServicer):
             worker_done = True
             raise
         except sglang.WorkerFailed as exc:
-            hung = worker.failures >= FAILURES_TO_UNHEALTHY
+            # Given up by its health checks, or silent on every stream as long as one may be:
+            # either way it is not running anything an abort could stop.
+            silent_s = time.monotonic() - worker.last_event_at
+            hung = worker.failures >= FAILURES_TO_UNHEALTHY or silent_s > self.timings.between_events_timeout_s
             self.pool.mark_failed(worker)
             # A lost connection ended the request at the worker, and a hung worker learns it from
             # the connection closed here: no abort to send (a dead or hung worker takes thousands
