@@ -4,6 +4,7 @@ the rest itself, handing each to whichever worker frees a slot first."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 
@@ -20,6 +21,7 @@ from nodes.emulator.launch import launch
 
 RUNNING_LIMIT = 2
 REQUESTS = 24
+QUICK_CHECKS = {"health_interval_s": 0.5, "health_timeout_s": 1.0}  # hung workers given up in ~3 s, not ~12
 
 
 @pytest.mark.timeout(90)
@@ -89,7 +91,7 @@ async def test_a_site_that_loses_every_worker_fails_its_queue_at_once() -> None:
     )
     port = free_port_block(1)
     agent_args = ["--insecure", "--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "2", "--port", str(port)]
-    agent_args += ["--scheduler", f"127.0.0.1:{free_port_block(1)}"]
+    agent_args += ["--scheduler", f"127.0.0.1:{free_port_block(1)}", "--timings", json.dumps(QUICK_CHECKS)]
     for url in emulator.urls:
         agent_args += ["--worker-url", url]
     agent = start_python("agent", "nodes.agent", agent_args)
@@ -115,7 +117,7 @@ async def test_a_site_that_loses_every_worker_fails_its_queue_at_once() -> None:
         assert all(any(why in str(r) for why in reasons) for r in results), results
         # Hung workers are given up by their health checks (each waits `health_timeout_s`); a bound
         # far under the first-token timeout the queue used to wait for.
-        timings = AgentTimings()
+        timings = AgentTimings(**QUICK_CHECKS)
         assert waited_s < 4 * FAILURES_TO_UNHEALTHY * (timings.health_interval_s + timings.health_timeout_s)
     finally:
         for s in streams:
