@@ -85,6 +85,7 @@ class SiteReport:
     prompt_tokens_total: int = 0  # of the requests the workers finished since the agent started
     generation_tokens_total: int = 0
     delivered_tok_s: float = 0.0  # output tokens/s the agent relayed, over recent seconds
+    step_age_s: float = 0.0  # how long the step in progress has run at the busy workers (see the proto)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +137,7 @@ class SiteState:
     # when it saw a change, however late an observer asks (a drill's detection time).
     status_age_s: float = 0.0
     workers_age_s: float = -1.0
+    overdue_age_s: float = -1.0  # since a step last began to overrun the site's pace (-1: never)
 
 
 @dataclass(frozen=True, slots=True)

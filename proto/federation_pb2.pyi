@@ -79,7 +79,7 @@ class Registered(_message.Message):
     def __init__(self, site: _Optional[str] = ..., prior_capacity_tok_s: _Optional[float] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
 
 class SiteReport(_message.Message):
-    __slots__ = ("site", "healthy_workers", "total_workers", "running_requests", "queued_requests", "kv_usage", "gen_throughput_tok_s", "outstanding_requests", "outstanding_tokens", "slots", "context_tokens", "received_ids", "prompt_tokens_total", "generation_tokens_total", "delivered_tok_s")
+    __slots__ = ("site", "healthy_workers", "total_workers", "running_requests", "queued_requests", "kv_usage", "gen_throughput_tok_s", "outstanding_requests", "outstanding_tokens", "slots", "context_tokens", "received_ids", "prompt_tokens_total", "generation_tokens_total", "delivered_tok_s", "step_age_s")
     SITE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_WORKERS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class SiteReport(_message.Message):
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_TOK_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_AGE_S_FIELD_NUMBER: _ClassVar[int]
     site: str
     healthy_workers: int
     total_workers: int
@@ -110,7 +111,8 @@ class SiteReport(_message.Message):
     prompt_tokens_total: int
     generation_tokens_total: int
     delivered_tok_s: float
-    def __init__(self, site: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., slots: _Optional[int] = ..., context_tokens: _Optional[int] = ..., received_ids: _Optional[_Iterable[str]] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., delivered_tok_s: _Optional[float] = ...) -> None: ...
+    step_age_s: float
+    def __init__(self, site: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., slots: _Optional[int] = ..., context_tokens: _Optional[int] = ..., received_ids: _Optional[_Iterable[str]] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., delivered_tok_s: _Optional[float] = ..., step_age_s: _Optional[float] = ...) -> None: ...
 
 class SchedulerCommand(_message.Message):
     __slots__ = ("command", "reason")
@@ -155,7 +157,7 @@ class StateRequest(_message.Message):
     def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
 
 class SiteState(_message.Message):
-    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "status", "capacity_tok_s", "outstanding_requests", "outstanding_tokens", "routed_requests", "healthy_workers", "total_workers", "last_report_age_s", "prior_capacity_tok_s", "capacity_evidence", "queued_requests", "slots", "admit_window", "prefill_s_per_token", "status_age_s", "workers_age_s")
+    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "status", "capacity_tok_s", "outstanding_requests", "outstanding_tokens", "routed_requests", "healthy_workers", "total_workers", "last_report_age_s", "prior_capacity_tok_s", "capacity_evidence", "queued_requests", "slots", "admit_window", "prefill_s_per_token", "status_age_s", "workers_age_s", "overdue_age_s")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +179,7 @@ class SiteState(_message.Message):
     PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     STATUS_AGE_S_FIELD_NUMBER: _ClassVar[int]
     WORKERS_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    OVERDUE_AGE_S_FIELD_NUMBER: _ClassVar[int]
     name: str
     region: str
     gpu: str
@@ -198,7 +201,8 @@ class SiteState(_message.Message):
     prefill_s_per_token: float
     status_age_s: float
     workers_age_s: float
-    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., status: _Optional[_Union[SiteStatus, str]] = ..., capacity_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., prior_capacity_tok_s: _Optional[float] = ..., capacity_evidence: _Optional[str] = ..., queued_requests: _Optional[int] = ..., slots: _Optional[int] = ..., admit_window: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., status_age_s: _Optional[float] = ..., workers_age_s: _Optional[float] = ...) -> None: ...
+    overdue_age_s: float
+    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., status: _Optional[_Union[SiteStatus, str]] = ..., capacity_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., prior_capacity_tok_s: _Optional[float] = ..., capacity_evidence: _Optional[str] = ..., queued_requests: _Optional[int] = ..., slots: _Optional[int] = ..., admit_window: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., status_age_s: _Optional[float] = ..., workers_age_s: _Optional[float] = ..., overdue_age_s: _Optional[float] = ...) -> None: ...
 
 class FederationState(_message.Message):
     __slots__ = ("sites", "model", "refused")

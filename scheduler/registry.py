@@ -43,6 +43,7 @@ class Site:
     _status: SiteStatus = SiteStatus.JOINING
     status_since: float = field(default_factory=time.monotonic)
     workers_since: float = 0.0  # when healthy_workers last changed (0: never reported)
+    overdue_since: float = 0.0  # when a step last began to overrun the site's pace (0: never)
     last_report_at: float = 0.0
     report: SiteReport | None = None
     outstanding_requests: int = 0
@@ -136,7 +137,10 @@ class Registry:
         site = self.get(report.site)
         self.workload.observe(report, now)
         if site.last_report_at:
+            was_overdue = site.estimator.overdue
             site.estimator.observe(report, now - site.last_report_at)
+            if site.estimator.overdue and not was_overdue:
+                site.overdue_since = now
         if site.report is None or site.report.healthy_workers != report.healthy_workers:
             site.workers_since = now
         site.report = report
@@ -237,11 +241,12 @@ class Registry:
             total_workers=s.report.total_workers if s.report else 0,
             last_report_age_s=now - s.last_report_at if s.last_report_at else -1.0,
             prior_capacity_tok_s=s.prior_capacity_tok_s,
-            capacity_evidence=s.estimator.evidence,
+            capacity_evidence="overdue" if s.estimator.overdue else s.estimator.evidence,
             queued_requests=s.report.queued_requests if s.report else 0,
             slots=s.report.slots if s.report else 0,
             admit_window=s.slow_start.window,
             prefill_s_per_token=s.estimator.prefill_s_per_token(),
             status_age_s=now - s.status_since,
             workers_age_s=now - s.workers_since if s.workers_since else -1.0,
+            overdue_age_s=now - s.overdue_since if s.overdue_since else -1.0,
         )

@@ -126,6 +126,36 @@ def test_a_browned_out_site_whose_arrivals_wait_for_its_slow_step_loses_its_shar
     assert abs(est.full_site_tok_s / (est.declared_model_tok_s / 4) - 1) < 0.1 and est.evidence == "batch"
 
 
+def test_a_step_that_overruns_the_sites_pace_cuts_its_capacity_while_it_lasts() -> None:
+    """A busy site at its declared pace, then a step still running after 5 times what that pace
+    predicts (a brownout's first slowed step, whose tokens have not come yet): its capacity is
+    cut to a fifth at once, the estimate the evidence built kept. Under twice is no overrun (a
+    step carrying a whole prefill chunk runs ~1.9x), nor 0.2 s more (the agent's loop lag), and
+    the cut ends with the step."""
+    mix = WorkloadMix()
+    mix.current = Workload(prompt_per_output=5.0, context_per_request=1200.0)
+    est = CapacityEstimator.for_site("mi355x", 16, mix)
+    per_gpu, profile = 960, PROFILES["mi355x"]
+    step_s = profile.step_ms(per_gpu, per_gpu * 1200, per_gpu * 5) / 1000
+    busy = dict(
+        healthy_workers=16,
+        total_workers=16,
+        slots=16384,
+        running_requests=16 * per_gpu,
+        context_tokens=16 * per_gpu * 1200,
+        delivered_tok_s=16 * per_gpu / step_s,
+    )
+    _run(est, 30, **busy, step_age_s=step_s / 2)
+    before = est.capacity_tok_s(16, 16)
+    for short_of_an_overrun in (1.9 * step_s, step_s + 0.2):  # under twice; under 0.25 s more
+        _run(est, REPORT_S, **busy, step_age_s=short_of_an_overrun)
+        assert abs(est.capacity_tok_s(16, 16) / before - 1) < 0.01 and not est.overdue
+    _run(est, REPORT_S, **busy, step_age_s=5 * step_s)
+    assert est.overdue and abs(est.capacity_tok_s(16, 16) / (before / 5) - 1) < 0.1
+    _run(est, REPORT_S, **busy, step_age_s=step_s / 2)
+    assert not est.overdue and abs(est.capacity_tok_s(16, 16) / before - 1) < 0.02
+
+
 def test_lost_workers_lower_capacity_at_once() -> None:
     """A site with 12 of 16 workers healthy delivers three quarters of its capacity; what the
     12 deliver is read as the whole site's rate scaled up, so losing workers is not slowness."""

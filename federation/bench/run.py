@@ -132,12 +132,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
-def bench_config(path: Path | None, speed: float | None, policy: str, stream_interval: int) -> Config:
+def bench_config(
+    path: Path | None, speed: float | None, policy: str, stream_interval: int, gpus: dict[str, int] | None = None
+) -> Config:
     """The federation to start, slowed down as a whole: GPUs and the data path's WAN round trips
     alike, so that a wall-clock second is `speed` GPU seconds on every token's way; the control
     plane's links keep their real round trips, as its clocks (heartbeats, timeouts) are not
-    slowed; on ports free now (`_on_free_ports`)."""
+    slowed; on ports free now (`_on_free_ports`). `gpus`: sites given that many GPUs instead."""
     config = load(path).with_overrides(speed=speed or BENCH_SPEED, policy=policy, stream_interval=stream_interval)
+    if gpus:
+        sites = tuple(dataclasses.replace(s, gpus=gpus.get(s.name, s.gpus)) for s in config.sites)
+        config = dataclasses.replace(config, sites=sites)
     return _on_free_ports(
         dataclasses.replace(
             config,

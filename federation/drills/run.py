@@ -28,6 +28,7 @@ import math
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,29 @@ DRILL_WINDOWS_S = (420.0, 20.0, 60.0)
 # minutes of wall time (measured: the share within 10 % ~430 s after the join); its acceptance
 # (throughput_ratio, converge_s) is what the defaults run.
 ADD_SITE_WINDOWS_S = (700.0, 100.0, 700.0)
+
+
+@dataclass(frozen=True, slots=True)
+class DrillDefaults:
+    """What a drill runs with unless told otherwise."""
+
+    speed: float = DRILL_SPEED
+    open_requests: int = DRILL_OPEN_REQUESTS
+    windows_s: tuple[float, float, float] = DRILL_WINDOWS_S
+    gpus: dict[str, int] | None = None  # the embedded default's sites with this many GPUs (None: 16 each)
+
+
+DEFAULTS = {
+    "add-site": DrillDefaults(open_requests=ADD_SITE_OPEN_REQUESTS, windows_s=ADD_SITE_WINDOWS_S),
+    # A slowed step is seen only once it outlasts a normal one, which at a twentieth of real
+    # speed takes over a second of wall time (a full MI355X step with these answers is ~0.12 s
+    # of GPU time). So the brownout runs the embedded default's shape at half speed (a step of
+    # ~0.24 s), with the GPUs two cores can emulate there (as `fedctl bench --datapath` and
+    # docs/configs/small-federation.yaml), every slot busy (1,536) and a queue.
+    "site-brownout": DrillDefaults(
+        speed=0.5, open_requests=2_000, windows_s=(120.0, 20.0, 60.0), gpus={"kr-mi300x": 2, "us-mi355x": 1}
+    ),
+}
 # The site hit (added, for add-site); any other drill: the remote one.
 DEFAULT_SITE = {"site-brownout": "us-mi355x", "worker-loss": "us-mi355x", "add-site": "eu-mi355x"}
 REMOTE_SITE = "kr-mi300x"
@@ -117,15 +141,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--speed",
         type=runtime.positive_float,
         default=None,
-        help=f"GPU speed (default {DRILL_SPEED} for the embedded default, 1 for --endpoint)",
+        help=f"GPU speed (default {DRILL_SPEED} for the embedded default, site-brownout 0.5; 1 for --endpoint)",
     )
     p.add_argument(
         "--open-requests",
         type=runtime.positive_int,
         default=None,
-        help=f"default {DRILL_OPEN_REQUESTS:,}; add-site: {ADD_SITE_OPEN_REQUESTS:,}",
+        help=f"default {DRILL_OPEN_REQUESTS:,}; add-site: {ADD_SITE_OPEN_REQUESTS:,}; site-brownout: "
+        f"{DEFAULTS['site-brownout'].open_requests:,}",
     )
-    windows = f"defaults {DRILL_WINDOWS_S}; add-site: {ADD_SITE_WINDOWS_S}"
+    windows = f"defaults {DRILL_WINDOWS_S}; add-site: {ADD_SITE_WINDOWS_S}; site-brownout: {DEFAULTS['site-brownout'].windows_s}"
     p.add_argument(
         "--warmup-s", type=runtime.positive_float, default=None, help=f"wall s of load before measuring ({windows})"
     )
@@ -152,7 +177,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def drill_config(args: argparse.Namespace) -> Config:
     """The bench's slowed federation (on free ports, every site's workers on known ones), with
     as many gateway processes as the open requests need (one for the usual 18,000)."""
-    base = bench_config(args.config, args.speed, "least_expected_delay", args.stream_interval)
+    gpus = DEFAULTS.get(args.scenario, DrillDefaults()).gpus if args.config is None else None
+    base = bench_config(args.config, args.speed, "least_expected_delay", args.stream_interval, gpus)
     return dataclasses.replace(base, gateway_processes=math.ceil(args.open_requests / GATEWAY_STREAMS_PER_PROCESS))
 
 
@@ -161,10 +187,10 @@ def main(args: argparse.Namespace) -> int:
     if refused:
         print(f"fedctl drill: {refused}", file=sys.stderr)
         return 2
+    defaults = DEFAULTS.get(args.scenario, DrillDefaults())
     if args.open_requests is None:
-        args.open_requests = ADD_SITE_OPEN_REQUESTS if args.scenario == "add-site" else DRILL_OPEN_REQUESTS
-    windows = ADD_SITE_WINDOWS_S if args.scenario == "add-site" else DRILL_WINDOWS_S
-    for name, default in zip(("warmup_s", "before_s", "after_s"), windows, strict=True):
+        args.open_requests = defaults.open_requests
+    for name, default in zip(("warmup_s", "before_s", "after_s"), defaults.windows_s, strict=True):
         if getattr(args, name) is None:
             setattr(args, name, default)
     output = dataclasses.replace(DRILL_OUTPUT_TOKENS, mean=args.output_mean)
@@ -199,7 +225,7 @@ def _refusal(args: argparse.Namespace) -> str | None:
 
 
 def _drill_embedded(args: argparse.Namespace, site: str, samples) -> dict[str, Any]:
-    args.speed = args.speed or DRILL_SPEED
+    args.speed = args.speed or DEFAULTS.get(args.scenario, DrillDefaults()).speed
     config = drill_config(args)
     _check_site(args, site, {s.name for s in config.sites})
     log_path = (args.json.parent if args.json else Path(".")) / "drill-logs" / f"{args.scenario}.log"

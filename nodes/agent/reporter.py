@@ -97,9 +97,18 @@ class ReportFeed:
         """A snapshot every tick, handed to the sending thread. Returns if the reporter process
         died: the site can no longer be seen as up, so the agent stops too."""
         assert self._conn is not None, "start() first"
+        loop = asyncio.get_running_loop()
+        late = False
         while not self._dead.is_set():
-            self._offer(self.make_report())
+            report = self.make_report()
+            if late:
+                # This loop was held up: the events it has not read yet would make every step
+                # look long (each worker's last event heard is older than its last one sent).
+                report = dataclasses.replace(report, step_age_s=0.0)
+            self._offer(report)
+            asleep_at = loop.time()
             await asyncio.sleep(self.timings.loop_tick_s)
+            late = loop.time() - asleep_at > 2 * self.timings.loop_tick_s
         log.error("reporter.died", site=self.registration.name)
 
     def _offer(self, report: wire.SiteReport) -> None:
