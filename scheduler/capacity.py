@@ -18,10 +18,10 @@ move it, every report:
   over those seconds (a burst relayed late after a stall proves nothing).
 
 And one that does not wait for tokens: a busy site whose step in progress has run twice as long
-as its own pace predicts (`step_age_s`, from when its workers last sent an event) is running
-slower now, by at least that much. Its tokens come only at the step's end, so everything above
-learns of a brownout seconds late; while a step overruns, the capacity is cut to expected / age
-of the step (`step_factor`), and the cut ends with the step, the evidence above taking over.
+as its recent steps (`core.pace`) is running slower now, by at least that much. Its tokens come
+only at the step's end, so everything above learns of a brownout seconds late; while a step
+overruns, the capacity is cut to recent step / age (`step_factor`), and the cut ends with the
+step, the evidence above taking over.
 
 The rate is what the site's agent relayed over its last 5 s (`delivered_tok_s`).
 
@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from core import pace
 from core.gpus import PROFILES, GpuProfile
 from core.wire import SiteReport
 from scheduler.workload import REFERENCE, Workload, WorkloadMix
@@ -66,13 +67,6 @@ QUEUE_FOR_FULL_CHUNKS = 16
 # Below this many requests per worker the step is mostly fixed cost and launch jitter: too
 # little to scale a whole site's capacity from.
 MIN_BATCH_PER_WORKER = 8.0
-# A step this many times longer than the site's own pace predicts (its measured speed, the batch
-# it runs, the prefill it carries) is a slowdown seen while it happens, before any token of it
-# arrives: a step carrying a whole prefill chunk runs ~1.9x a decode-only one, a brownout's 4x.
-OVERDUE_FACTOR = 2.0
-# And by this much at least: the agent hears a step up to its loop's lag late (at high emulated
-# speeds a step is a millisecond, and that lag alone would read as overruns).
-OVERDUE_MIN_S = 0.25
 # Full: a site holding this much of its slots' worth of requests (decoding, prefilling or
 # waiting at its workers), or using this much of its KV cache. A wave of arrivals queues for a
 # moment at a site with thousands of free slots; read as saturation, its low delivered rate
@@ -168,7 +162,8 @@ class CapacityEstimator:
         self.saturated_for_s = self.saturated_for_s + dt_s if report.queued_requests > 0 and _full(report) else 0.0
         busy = report.running_requests / healthy >= MIN_BATCH_PER_WORKER
         self.busy_for_s = self.busy_for_s + dt_s if busy else 0.0
-        self.step_factor = self._step_factor(report.step_age_s, report.queued_requests / healthy)
+        # Read only once busy and settled, as the batch is: a site filling up runs long steps.
+        self.step_factor = pace.overrun_factor(report) if self.busy_for_s >= SETTLE_S else 1.0
 
         held_above_s = self._held_above(delivered_full_site, dt_s)
         if self.saturated_for_s >= SETTLE_S:
@@ -186,20 +181,6 @@ class CapacityEstimator:
         weight = 1.0 - math.exp(-min(dt_s, MAX_STEP_S) / TIME_CONSTANT_S)
         self.full_site_tok_s += weight * (seen - self.full_site_tok_s)
         self.evidence = evidence
-
-    def _step_factor(self, step_age_s: float, queued_per_worker: float) -> float:
-        """A busy site whose step in progress has lasted OVERDUE_FACTOR times what its own pace
-        predicts runs at most expected / age of that pace now: its tokens come only at the
-        step's end, so the evidence that reads them lags by seconds, while this is seen as the
-        step overruns. 1 when it does not (or nothing says)."""
-        if self.profile is None or step_age_s <= 0 or self.busy_for_s < SETTLE_S or self.full_site_tok_s <= 0:
-            return 1.0
-        pace = self.full_site_tok_s / self.declared_model_tok_s  # of the declared GPUs' model (the speed too)
-        prefill = self._prefill_per_step(self.profile, queued_per_worker)
-        step_ms = self.profile.step_ms(self.batch_per_worker, self.context_per_worker, prefill)
-        expected_s = step_ms / 1000.0 / pace
-        overdue = step_age_s >= OVERDUE_FACTOR * expected_s and step_age_s >= expected_s + OVERDUE_MIN_S
-        return expected_s / step_age_s if overdue else 1.0
 
     @property
     def overdue(self) -> bool:

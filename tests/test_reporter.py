@@ -4,6 +4,7 @@ stopped, swapped out) while thousands of calls arrive must not block the agent's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 
@@ -13,6 +14,7 @@ import pytest
 from core import wire
 from core.processes import free_port_block, start_python
 from federation.gateway.upstream import Upstream
+from nodes.agent.reporter import _urgent
 from nodes.emulator.launch import launch
 
 CALLS = 3_000  # their request ids alone are ~100 KB: more than a pipe holds
@@ -50,3 +52,16 @@ async def test_a_hung_reporter_does_not_block_the_agent() -> None:
         await upstream.close()
         agent.stop()
         emulator.stop()
+
+
+def test_a_step_that_begins_to_overrun_is_reported_at_once() -> None:
+    """The reporter sends at once (not at the next interval) when the snapshot's step begins to
+    overrun the site's recent pace, as when its healthy workers change; a step already
+    overrunning, or a normal one, waits for the interval."""
+    # 1,000 running at 4,000 tok/s: a step every 0.25 s.
+    normal = wire.SiteReport("s", healthy_workers=1, running_requests=1000, delivered_tok_s=4000.0, step_age_s=0.2)
+    overrun = dataclasses.replace(normal, step_age_s=0.6)
+    assert _urgent(normal, overrun)
+    assert not _urgent(overrun, dataclasses.replace(overrun, step_age_s=0.9))
+    assert not _urgent(normal, dataclasses.replace(normal, step_age_s=0.45))  # under 0.25 s more
+    assert _urgent(normal, dataclasses.replace(normal, healthy_workers=0))

@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 import grpc
 import structlog
 
-from core import logs, runtime, wire
+from core import logs, pace, runtime, wire
 from core.credential import bearer
 from core.mtls import INSECURE, Tls
 from core.pki import SCHEDULER
@@ -162,10 +162,11 @@ class Snapshots:
         self.received_at = time.monotonic()
         self._lock = threading.Lock()
         self._unreported: dict[str, list[str]] = {}  # replica address -> request ids
-        # Bumped when a snapshot's healthy workers differ from the one before: reported at once,
-        # not at the next interval (a site losing workers must be seen within a second).
-        self.health_version = 0
-        self._health_changed = threading.Condition(self._lock)
+        # Bumped when a snapshot's healthy workers differ from the one before, or its step begins
+        # to overrun the site's pace: reported at once, not at the next interval (a site losing
+        # workers, or browning out, must be seen within a second).
+        self.urgent_version = 0
+        self._urgent_changed = threading.Condition(self._lock)
 
     def receive_forever(self) -> None:
         """Until the agent stops, or dies (either closes the pipe)."""
@@ -175,9 +176,9 @@ class Snapshots:
                 with self._lock:
                     for ids in self._unreported.values():
                         ids.extend(snapshot.received_ids)
-                    if self.latest is not None and snapshot.healthy_workers != self.latest.healthy_workers:
-                        self.health_version += 1
-                        self._health_changed.notify_all()
+                    if self.latest is not None and _urgent(self.latest, snapshot):
+                        self.urgent_version += 1
+                        self._urgent_changed.notify_all()
                     self.latest = snapshot
                     self.received_at = time.monotonic()
         except (EOFError, OSError):
@@ -203,16 +204,22 @@ class Snapshots:
                 self._unreported[replica] = []
             return dataclasses.replace(self.latest, received_ids=tuple(received or ()))
 
-    def wait_for_health_change(self, seen: int, timeout_s: float) -> int:
-        """Until the workers' health changes after version `seen`, or `timeout_s` passes; the
+    def wait_for_urgent(self, seen: int, timeout_s: float) -> int:
+        """Until an urgent change (`_urgent`) after version `seen`, or `timeout_s` passes; the
         version now."""
-        with self._health_changed:
-            self._health_changed.wait_for(lambda: self.health_version != seen, timeout_s)
-            return self.health_version
+        with self._urgent_changed:
+            self._urgent_changed.wait_for(lambda: self.urgent_version != seen, timeout_s)
+            return self.urgent_version
 
     @property
     def stalled(self) -> bool:
         return time.monotonic() - self.received_at > self.stall_limit_s
+
+
+def _urgent(before: wire.SiteReport, now: wire.SiteReport) -> bool:
+    """A change the schedulers must hear before the next interval."""
+    began_overrun = pace.overrun_factor(now) < 1.0 <= pace.overrun_factor(before)
+    return now.healthy_workers != before.healthy_workers or began_overrun
 
 
 def _reporter_main(
@@ -330,9 +337,9 @@ class Reporter:
                 self._stop.wait(delay * random.uniform(0.5, 1.0))
 
     def _reports(self, scheduler_address: str, interval_s: float) -> Iterator:
-        """One report per interval while the agent's loop is alive, and one at once when its
-        workers' health changes; ends the stream when we stop."""
-        sent_at, health = time.monotonic(), self.snapshots.health_version
+        """One report per interval while the agent's loop is alive, and one at once on an urgent
+        change (its workers' health, a step overrunning); ends the stream when we stop."""
+        sent_at, seen = time.monotonic(), self.snapshots.urgent_version
         while not self._stop.is_set():
             if self.snapshots.stalled:
                 stalled_s = round(time.monotonic() - self.snapshots.received_at, 1)
@@ -344,4 +351,4 @@ class Reporter:
                     log.warning("reporter.late", gap_s=round(now - sent_at, 2))
                 sent_at = now
                 yield report
-            health = self.snapshots.wait_for_health_change(health, interval_s)
+            seen = self.snapshots.wait_for_urgent(seen, interval_s)
