@@ -9,6 +9,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import structlog
+
+from core import pace
 from core.policy import SiteLoad
 from core.settings import SchedulerTimings
 from core.wire import RefusedSite, RouteRequest, SiteRegistration, SiteReport, SiteState, SiteStatus
@@ -16,6 +19,8 @@ from core.work import expected_output_tokens
 from scheduler.capacity import CapacityEstimator
 from scheduler.slowstart import SlowStart
 from scheduler.workload import WorkloadMix
+
+log = structlog.get_logger("scheduler.registry")
 
 # Routes still in transit are those the agent has not taken yet. Under an Offline burst on a
 # busy machine thousands of calls wait in the gateways' and the agent's gRPC queues, for over
@@ -141,6 +146,13 @@ class Registry:
             site.estimator.observe(report, now - site.last_report_at)
             if site.estimator.overdue and not was_overdue:
                 site.overdue_since = now
+                log.info(
+                    "site.step_overrun",
+                    site=report.site,
+                    step_age_s=round(report.step_age_s, 3),
+                    recent_step_s=round(pace.recent_step_s(report), 3),
+                    capacity_factor=round(site.estimator.step_factor, 3),
+                )
         if site.report is None or site.report.healthy_workers != report.healthy_workers:
             site.workers_since = now
         site.report = report

@@ -102,13 +102,14 @@ class ReportFeed:
         while not self._dead.is_set():
             report = self.make_report()
             if late:
-                # This loop was held up: the events it has not read yet would make every step
-                # look long (each worker's last event heard is older than its last one sent).
+                # This loop was held up: the events it has not read yet would make the step look
+                # longer than it is (each worker's last event heard is older than its last sent),
+                # by as much as an overrun must exceed a step to count.
                 report = dataclasses.replace(report, step_age_s=0.0)
             self._offer(report)
             asleep_at = loop.time()
             await asyncio.sleep(self.timings.loop_tick_s)
-            late = loop.time() - asleep_at > 2 * self.timings.loop_tick_s
+            late = loop.time() - asleep_at > self.timings.loop_tick_s + pace.OVERRUN_MIN_S
         log.error("reporter.died", site=self.registration.name)
 
     def _offer(self, report: wire.SiteReport) -> None:
