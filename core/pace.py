@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from core.wire import SiteReport
 
-# Overrun: the step in progress has run this many times the site's recent step (a step that
-# carries a whole prefill chunk runs ~1.9x a decode-only one; a brownout's, 4x) ...
-OVERRUN_FACTOR = 2.0
+# Overrun: the step in progress has run this many times the site's recent step, an average that
+# already holds its usual prefill (a step carrying a whole prefill chunk, a wave of arrivals,
+# can reach it: the cut then lasts that step; a brownout's steps run 4x) ...
+OVERRUN_FACTOR = 1.75
 # ... and this much longer at least: the agent hears a step up to its loop's lag late (at high
 # emulated speeds a step is a millisecond, and that lag alone would read as overruns).
-OVERRUN_MIN_S = 0.25
+OVERRUN_MIN_S = 0.2
 
 
 def recent_step_s(report: SiteReport) -> float:

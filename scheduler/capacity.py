@@ -17,7 +17,7 @@ move it, every report:
 - A site delivering more than believed, held for 10 s, proves at least the least it delivered
   over those seconds (a burst relayed late after a stall proves nothing).
 
-And one that does not wait for tokens: a busy site whose step in progress has run twice as long
+And one that does not wait for tokens: a busy site whose step in progress has run 1.75 times as long
 as its recent steps (`core.pace`) is running slower now, by at least that much. Its tokens come
 only at the step's end, so everything above learns of a brownout seconds late; while a step
 overruns, the capacity is cut to recent step / age (`step_factor`), and the cut ends with the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from core import pace
 from core.gpus import PROFILES
 from core.wire import SiteReport
 from scheduler.capacity import CapacityEstimator, full_batch_tok_s, prior_capacity_tok_s
@@ -129,9 +130,9 @@ def test_a_browned_out_site_whose_arrivals_wait_for_its_slow_step_loses_its_shar
 def test_a_step_that_overruns_the_sites_pace_cuts_its_capacity_while_it_lasts() -> None:
     """A busy site at its declared pace, then a step still running after 5 times what that pace
     predicts (a brownout's first slowed step, whose tokens have not come yet): its capacity is
-    cut to a fifth at once, the estimate the evidence built kept. Under twice is no overrun (a
-    step carrying a whole prefill chunk runs ~1.9x), nor 0.2 s more (the agent's loop lag), and
-    the cut ends with the step."""
+    cut to a fifth at once, the estimate the evidence built kept. Under OVERRUN_FACTOR times is
+    no overrun, nor under OVERRUN_MIN_S more (the agent's loop lag), and the cut ends with the
+    step."""
     mix = WorkloadMix()
     mix.current = Workload(prompt_per_output=5.0, context_per_request=1200.0)
     est = CapacityEstimator.for_site("mi355x", 16, mix)
@@ -147,7 +148,8 @@ def test_a_step_that_overruns_the_sites_pace_cuts_its_capacity_while_it_lasts() 
     )
     _run(est, 30, **busy, step_age_s=step_s / 2)
     before = est.capacity_tok_s(16, 16)
-    for short_of_an_overrun in (1.9 * step_s, step_s + 0.2):  # under twice; under 0.25 s more
+    short = (0.95 * pace.OVERRUN_FACTOR * step_s, step_s + 0.9 * pace.OVERRUN_MIN_S)  # under each bound
+    for short_of_an_overrun in short:
         _run(est, REPORT_S, **busy, step_age_s=short_of_an_overrun)
         assert abs(est.capacity_tok_s(16, 16) / before - 1) < 0.01 and not est.overdue
     _run(est, REPORT_S, **busy, step_age_s=5 * step_s)

@@ -11,7 +11,7 @@ import signal
 import psutil
 import pytest
 
-from core import wire
+from core import pace, wire
 from core.processes import free_port_block, start_python
 from federation.gateway.upstream import Upstream
 from nodes.agent.reporter import _urgent
@@ -63,5 +63,5 @@ def test_a_step_that_begins_to_overrun_is_reported_at_once() -> None:
     overrun = dataclasses.replace(normal, step_age_s=0.6)
     assert _urgent(normal, overrun)
     assert not _urgent(overrun, dataclasses.replace(overrun, step_age_s=0.9))
-    assert not _urgent(normal, dataclasses.replace(normal, step_age_s=0.45))  # under 0.25 s more
+    assert not _urgent(normal, dataclasses.replace(normal, step_age_s=0.25 + 0.9 * pace.OVERRUN_MIN_S))
     assert _urgent(normal, dataclasses.replace(normal, healthy_workers=0))
