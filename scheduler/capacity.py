@@ -117,7 +117,7 @@ class CapacityEstimator:
     context_per_worker: float = 0.0
     evidence: str = "prior"  # what the estimate last moved on: prior, probe, batch, saturated, delivered
     # While the step in progress overruns the site's pace: the share of its pace it runs at now
-    # (expected step / step so far). 1 otherwise.
+    # (recent step / step so far, core.pace). 1 otherwise.
     step_factor: float = 1.0
     mix: WorkloadMix | None = None  # the federation's workload; None: the reference one
 
