@@ -7,6 +7,7 @@ us-west-2, 16 emulated MI300X in Korea and 16 emulated MI355X in Oregon, ~130 ms
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Literal
@@ -122,6 +123,10 @@ class Config:
             policy=self.policy if policy is None else policy,
             stream_interval=self.stream_interval if stream_interval is None else stream_interval,
         )
+
+    def with_gpus(self, gpus: Mapping[str, int]) -> Config:
+        """The named sites with that many GPUs each (a smaller federation of the same shape)."""
+        return replace(self, sites=tuple(replace(s, gpus=gpus.get(s.name, s.gpus)) for s in self.sites))
 
 
 _POSITIVE_INT = Annotated[int, Strict(), Field(ge=1)]

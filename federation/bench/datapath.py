@@ -60,9 +60,7 @@ def datapath_config(path: Path | None, speed: float, stream_interval: int, on_fr
     gateway process (its CPU is the one per-token cost measured)."""
     config = load(path)
     if path is None:
-        config = dataclasses.replace(
-            config, sites=tuple(dataclasses.replace(s, gpus=DATAPATH_GPUS.get(s.name, s.gpus)) for s in config.sites)
-        )
+        config = config.with_gpus(DATAPATH_GPUS)
     config = config.with_overrides(speed=speed, stream_interval=stream_interval)
     scaled = {k: v / config.speed for k, v in config.rtt_ms.items()}
     config = dataclasses.replace(config, rtt_ms=scaled, control_rtt_ms=config.rtt_ms)

@@ -141,8 +141,7 @@ def bench_config(
     slowed; on ports free now (`_on_free_ports`). `gpus`: sites given that many GPUs instead."""
     config = load(path).with_overrides(speed=speed or BENCH_SPEED, policy=policy, stream_interval=stream_interval)
     if gpus:
-        sites = tuple(dataclasses.replace(s, gpus=gpus.get(s.name, s.gpus)) for s in config.sites)
-        config = dataclasses.replace(config, sites=sites)
+        config = config.with_gpus(gpus)
     return _on_free_ports(
         dataclasses.replace(
             config,

@@ -98,6 +98,12 @@ DEFAULTS = {
         speed=0.5, open_requests=2_000, windows_s=(120.0, 20.0, 60.0), gpus={"kr-mi300x": 2, "us-mi355x": 1}
     ),
 }
+
+
+def defaults_for(scenario: str) -> DrillDefaults:
+    return DEFAULTS.get(scenario, DrillDefaults())
+
+
 # The site hit (added, for add-site); any other drill: the remote one.
 DEFAULT_SITE = {"site-brownout": "us-mi355x", "worker-loss": "us-mi355x", "add-site": "eu-mi355x"}
 REMOTE_SITE = "kr-mi300x"
@@ -177,7 +183,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def drill_config(args: argparse.Namespace) -> Config:
     """The bench's slowed federation (on free ports, every site's workers on known ones), with
     as many gateway processes as the open requests need (one for the usual 18,000)."""
-    gpus = DEFAULTS.get(args.scenario, DrillDefaults()).gpus if args.config is None else None
+    gpus = defaults_for(args.scenario).gpus if args.config is None else None
     base = bench_config(args.config, args.speed, "least_expected_delay", args.stream_interval, gpus)
     return dataclasses.replace(base, gateway_processes=math.ceil(args.open_requests / GATEWAY_STREAMS_PER_PROCESS))
 
@@ -187,7 +193,7 @@ def main(args: argparse.Namespace) -> int:
     if refused:
         print(f"fedctl drill: {refused}", file=sys.stderr)
         return 2
-    defaults = DEFAULTS.get(args.scenario, DrillDefaults())
+    defaults = defaults_for(args.scenario)
     if args.open_requests is None:
         args.open_requests = defaults.open_requests
     for name, default in zip(("warmup_s", "before_s", "after_s"), defaults.windows_s, strict=True):
@@ -225,7 +231,7 @@ def _refusal(args: argparse.Namespace) -> str | None:
 
 
 def _drill_embedded(args: argparse.Namespace, site: str, samples) -> dict[str, Any]:
-    args.speed = args.speed or DEFAULTS.get(args.scenario, DrillDefaults()).speed
+    args.speed = args.speed or defaults_for(args.scenario).speed
     config = drill_config(args)
     _check_site(args, site, {s.name for s in config.sites})
     log_path = (args.json.parent if args.json else Path(".")) / "drill-logs" / f"{args.scenario}.log"
