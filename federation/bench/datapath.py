@@ -57,13 +57,14 @@ ROUTER_POLICY = "round_robin"
 
 def datapath_config(path: Path | None, speed: float, stream_interval: int, on_free_ports) -> Config:
     """The federation measured: `--config`'s, else the embedded default with DATAPATH_GPUS; one
-    gateway process (its CPU is the one per-token cost measured)."""
+    gateway process (its CPU is the one per-token cost measured), open to any number of
+    connections from the load generator's one address."""
     config = load(path)
     if path is None:
         config = config.with_gpus(DATAPATH_GPUS)
     config = config.with_overrides(speed=speed, stream_interval=stream_interval)
     scaled = {k: v / config.speed for k, v in config.rtt_ms.items()}
-    config = dataclasses.replace(config, rtt_ms=scaled, control_rtt_ms=config.rtt_ms)
+    config = dataclasses.replace(config, rtt_ms=scaled, control_rtt_ms=config.rtt_ms, max_connections_per_address=0)
     return on_free_ports(config)
 
 
