@@ -14,7 +14,7 @@ import bisect
 import itertools
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 
@@ -36,7 +36,6 @@ VOCAB_SIZE = 201_088  # gpt-oss embedding rows; input_ids must be below this
 EOS_TOKEN_IDS = (200002, 200012, 199999)  # <|return|>, <|call|>, <|endoftext|>
 _SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in HARMONY_SPECIALS) + ")")
 
-KNOWLEDGE_CUTOFF = "2024-06"  # what the gpt-oss chat template prints in its system message
 SYNTHETIC_STREAM_TOKENS = 1 << 16  # length of the repeating synthetic output stream
 
 
@@ -77,35 +76,13 @@ def encode(text: str, limit: int | None = None) -> list[int]:
     return ids
 
 
+def token_bytes(token: int) -> bytes:
+    """An ordinary token's bytes (Harmony's specials are not in o200k_base)."""
+    return _encoding().decode_single_token_bytes(token)
+
+
 def count(text: str, limit: int | None = None) -> int:
     return len(encode(text, limit))
-
-
-def render_harmony(messages: Sequence[Mapping[str, str]], *, reasoning_effort: str = "medium", today: str) -> str:
-    """Render chat messages as the gpt-oss chat template does, ending with the
-    generation prompt `<|start|>assistant`. A leading `system` or `developer` message
-    becomes the developer instructions, as in the model's own template."""
-    system = (
-        "You are ChatGPT, a large language model trained by OpenAI.\n"
-        f"Knowledge cutoff: {KNOWLEDGE_CUTOFF}\nCurrent date: {today}\n\n"
-        f"Reasoning: {reasoning_effort}\n\n"
-        "# Valid channels: analysis, commentary, final. "
-        "Channel must be included for every message."
-    )
-    parts = [f"<|start|>system<|message|>{system}<|end|>"]
-    if messages and messages[0]["role"] in ("system", "developer"):
-        parts.append(f"<|start|>developer<|message|># Instructions\n\n{messages[0]['content']}\n\n<|end|>")
-        messages = messages[1:]
-    for m in messages:
-        role, content = m["role"], m["content"]
-        if role == "user":
-            parts.append(f"<|start|>user<|message|>{content}<|end|>")
-        elif role == "assistant":
-            parts.append(f"<|start|>assistant<|channel|>final<|message|>{content}<|end|>")
-        elif role == "tool":
-            parts.append(f"<|start|>functions to=assistant<|channel|>commentary<|message|>{content}<|end|>")
-    parts.append("<|start|>assistant")
-    return "".join(parts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,6 +164,8 @@ class GenerateRequest:
     text: str = ""
     input_ids: tuple[int, ...] = ()
     every_event: bool = False  # relay each worker event as its own delta, at once (see the proto)
+    logprobs: bool = False  # each output token's log probability, asked for
+    top_logprobs: int = 0  # and this many most likely tokens at each position
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +200,8 @@ class TokenDelta(NamedTuple):
     accepted_unix_s: float = 0.0
     error: StreamError = StreamError.NONE
     error_message: str = ""
+    logprobs: tuple[float, ...] = ()  # asked for: one per output id
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()  # and at each position the most likely (id, logprob)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +265,8 @@ def _generate_request_to_pb(stream: int, r: GenerateRequest) -> pb.GenerateReque
         prompt_tokens=r.prompt_tokens,
         stream=stream,
         every_event=r.every_event,
+        logprobs=r.logprobs,
+        top_logprobs=r.top_logprobs,
     )
 
 
@@ -286,6 +292,11 @@ def token_batch_to_pb(deltas: Sequence[TokenDelta]) -> pb.TokenBatch:
             m.worker, m.accepted_unix_s = d.worker, d.accepted_unix_s
         if d.error is not StreamError.NONE:
             m.error, m.error_message = d.error.value, d.error_message
+        if d.logprobs:
+            m.logprobs.extend(d.logprobs)
+            for position in d.top:
+                m.top_ids.extend(i for i, _ in position)
+                m.top_logprobs.extend(lp for _, lp in position)
     return batch
 
 
@@ -354,7 +365,9 @@ def generate_command_from_pb(m: pb.GenerateCommand) -> GenerateCommand:
         if not REQUEST_ID.match(r.request_id):
             refused.append((r.stream, f"request_id must match {REQUEST_ID.pattern}"))
             continue
-        request = GenerateRequest(r.request_id, r.prompt_tokens, params, r.text, tuple(r.input_ids), r.every_event)
+        request = GenerateRequest(
+            r.request_id, r.prompt_tokens, params, r.text, tuple(r.input_ids), r.every_event, r.logprobs, r.top_logprobs
+        )
         starts.append((r.stream, request))
     return GenerateCommand(tuple(starts), tuple(m.cancel), tuple(refused))
 
@@ -376,9 +389,18 @@ def token_batch_from_pb(m: pb.TokenBatch) -> list[TokenDelta]:
             d.accepted_unix_s,
             _STREAM_ERRORS.get(d.error, StreamError.SITE_FAILED),
             d.error_message,
+            tuple(d.logprobs) if d.logprobs else (),
+            _top(d) if d.top_ids else (),
         )
         for d in m.deltas
     ]
+
+
+def _top(d: pb.TokenDelta) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """The flat top_ids / top_logprobs, cut into one tuple of pairs per output position."""
+    per = len(d.top_ids) // max(1, len(d.logprobs))
+    pairs = list(zip(d.top_ids, d.top_logprobs, strict=False))
+    return tuple(tuple(pairs[i : i + per]) for i in range(0, len(pairs), per or 1))
 
 
 def site_ref_from_pb(m: pb.SiteRef) -> str:

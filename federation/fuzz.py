@@ -60,6 +60,7 @@ ENDPOINTS: tuple[tuple[str, str], ...] = (
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("POST", "/generate"),
+    ("POST", "/v1/responses"),
     ("GET", "/v1/models"),
     ("GET", "/health"),
     ("GET", "/metrics"),
@@ -72,11 +73,13 @@ VALID_BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
     "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 4},
     "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 4}},
+    "/v1/responses": {"model": MODEL, "input": "hi", "max_output_tokens": 4},
 }
 FIELDS = (
     "model messages prompt text input_ids max_tokens max_completion_tokens stream stream_options temperature "
     "top_p n stop tools tool_choice response_format logprobs top_logprobs logit_bias seed user sampling_params "
-    "max_new_tokens ignore_eos reasoning_effort rid return_logprob content role echo suffix best_of"
+    "max_new_tokens ignore_eos reasoning_effort rid return_logprob content role echo suffix best_of "
+    "input instructions max_output_tokens reasoning text tool_calls tool_call_id top_logprobs_num"
 ).split()
 ODD_TEXT = st.sampled_from(
     ["", "\x00", "\ufeff", "\u202e", "\U0010ffff", "\ud800", "\udfff", "💥" * 50, "<|start|>", "<|end|>", "%s%n"]

@@ -231,7 +231,7 @@ class SiteRef(_message.Message):
     def __init__(self, site: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "input_ids", "sampling_params_json", "prompt_tokens", "stream", "every_event")
+    __slots__ = ("request_id", "text", "input_ids", "sampling_params_json", "prompt_tokens", "stream", "every_event", "logprobs", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,8 @@ class GenerateRequest(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     EVERY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -246,7 +248,9 @@ class GenerateRequest(_message.Message):
     prompt_tokens: int
     stream: int
     every_event: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., stream: _Optional[int] = ..., every_event: _Optional[bool] = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., stream: _Optional[int] = ..., every_event: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateCommand(_message.Message):
     __slots__ = ("start", "cancel")
@@ -257,7 +261,7 @@ class GenerateCommand(_message.Message):
     def __init__(self, start: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("stream", "text", "output_ids", "completion_tokens", "prompt_tokens", "finish_reason_json", "worker", "accepted_unix_s", "error", "error_message")
+    __slots__ = ("stream", "text", "output_ids", "completion_tokens", "prompt_tokens", "finish_reason_json", "worker", "accepted_unix_s", "error", "error_message", "logprobs", "top_ids", "top_logprobs")
     STREAM_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +272,9 @@ class TokenDelta(_message.Message):
     ACCEPTED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     stream: int
     text: str
     output_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -278,7 +285,10 @@ class TokenDelta(_message.Message):
     accepted_unix_s: float
     error: StreamError
     error_message: str
-    def __init__(self, stream: _Optional[int] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., completion_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., finish_reason_json: _Optional[str] = ..., worker: _Optional[str] = ..., accepted_unix_s: _Optional[float] = ..., error: _Optional[_Union[StreamError, str]] = ..., error_message: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, stream: _Optional[int] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., completion_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., finish_reason_json: _Optional[str] = ..., worker: _Optional[str] = ..., accepted_unix_s: _Optional[float] = ..., error: _Optional[_Union[StreamError, str]] = ..., error_message: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("deltas",)

@@ -8,7 +8,7 @@ from datetime import date
 import openai
 import pytest
 
-from core import tokens
+from core import harmony, tokens
 from nodes.emulator.launch import EmulatorProcess as Emulator
 
 MODEL = "openai/gpt-oss-120b"
@@ -41,8 +41,10 @@ async def test_chat_usage_adds_up(client: openai.AsyncOpenAI) -> None:
     assert resp.usage is not None
     assert resp.usage.completion_tokens == 50 == len(tokens.encode(choice.message.content or ""))
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
-    rendered = tokens.render_harmony(MESSAGES, today=date.today().isoformat())
-    assert resp.usage.prompt_tokens == tokens.count(rendered)
+    turns = [harmony.Turn(m["role"], m["content"]) for m in MESSAGES]
+    assert resp.usage.prompt_tokens == len(
+        harmony.render_chat(turns, [], reasoning_effort="medium", today=date.today().isoformat())
+    )
 
 
 async def test_chat_stream_with_usage(client: openai.AsyncOpenAI) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from core import tokens
+from core import harmony, tokens
 from nodes.emulator.output import GenerateSpec, plan_output
 
 
@@ -20,8 +20,11 @@ def test_synthetic_windows_are_exact_tokens() -> None:
 
 
 def test_harmony_specials_count_as_one_token() -> None:
-    """Harmony control tokens count once each, as in o200k_harmony."""
-    rendered = tokens.render_harmony([{"role": "user", "content": "hi"}], today="2026-12-02")
+    """Harmony control tokens count once each, as in o200k_harmony (the prompt rendered by
+    openai-harmony, counted by our tokenizer)."""
+    ids = harmony.render_chat([harmony.Turn("user", "hi")], [], reasoning_effort="medium", today="2026-12-02")
+    rendered = harmony.encoding().decode_utf8(ids)
+    assert tokens.encode(rendered) == ids
     assert rendered.startswith("<|start|>system<|message|>You are ChatGPT")
     assert rendered.endswith("<|start|>user<|message|>hi<|end|><|start|>assistant")
     ids = tokens.encode(rendered)

@@ -226,6 +226,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, jobs.chat_job)
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, jobs.responses_job)
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, jobs.completion_job)
 
@@ -295,6 +299,7 @@ def build_app(config: GatewayConfig) -> web.Application:
 
     app.cleanup_ctx.append(upstream_ctx)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/generate", generate)
     app.router.add_get("/v1/models", models)

@@ -121,6 +121,8 @@ class Chunk(NamedTuple):
     completion_tokens: int
     finish_reason: dict[str, Any] | None
     site: str
+    logprobs: tuple[float, ...] = ()  # asked for: one per output id
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 class AnswerSink(Protocol):
@@ -131,6 +133,9 @@ class AnswerSink(Protocol):
 
     async def opened(self, site: str) -> None:
         """The answer has begun (its first chunk came from `site`): the client may be answered."""
+
+    def constrained_output_begun(self) -> bool:
+        """Whether a grammar on the answer (json_schema, regex, ebnf) shapes what was sent already."""
 
 
 class Generation:
@@ -289,7 +294,7 @@ class Generation:
         self._produced = produced
         if finish is not None and self._offset and finish.get("type") == "length":
             finish = {**finish, "length": self._max_new_tokens}
-        return Chunk(delta.text, delta.output_ids, produced, finish, site)
+        return Chunk(delta.text, delta.output_ids, produced, finish, site, delta.logprobs, delta.top)
 
     @property
     def _max_new_tokens(self) -> int:
@@ -310,8 +315,8 @@ class Generation:
         if self.resumed >= self.config.max_resumes:
             raise refuse(f"already resumed {self.resumed} times")
         structured = [p for p in STRUCTURED_OUTPUT_PARAMS if params.get(p)]
-        if structured:
-            raise refuse(f"structured output ({structured[0]}) cannot continue on another site")
+        if structured and self._out.constrained_output_begun():  # a grammar starts at the generation's start
+            raise refuse(f"structured output ({structured[0]}) cannot continue mid-document on another site")
         left = self._max_new_tokens - self._produced
         if left <= 0:
             return None

@@ -1,12 +1,14 @@
 """Client requests checked and turned into one generation job for a site.
 
 Everything a client can get wrong is caught here, before any site is asked, so a bad
-request costs no worker anything. Chat messages are rendered in the Harmony format
-here too: the site then runs a plain SGLang /generate, the one data path.
+request costs no worker anything. Chats are rendered in the Harmony format here too
+(federation/gateway/chat.py): the site then runs a plain SGLang /generate on their token
+ids, the one data path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from datetime import date
@@ -14,8 +16,9 @@ from typing import Any, Literal
 
 from core import tokens, wire
 from core.errors import BadRequest, ModelNotFound
+from federation.gateway import chat, responses_api
 
-JobKind = Literal["chat", "completion", "generate"]
+JobKind = Literal["chat", "completion", "generate", "responses"]
 # OpenAI request fields that become SGLang sampling parameters, and their SGLang names.
 _SAMPLING_FIELDS = {
     "temperature": "temperature",
@@ -32,18 +35,13 @@ _SAMPLING_FIELDS = {
 }
 _NUMBER_FIELDS = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
 _INT_FIELDS = {"top_k", "seed", "min_tokens"}
-# OpenAI fields this endpoint does not honour yet (tools, structured output and logprobs are
-# issue #18), with the values that ask for nothing. Any other value is refused, naming the
-# field: a client that asked for a tool call or a JSON schema must not get plain text back as
-# if it had not asked.
+# OpenAI fields this endpoint does not honour, with the values that ask for
+# nothing. Any other value is refused, naming the field: a client that asked for something
+# must not get an answer back as if it had not asked. (`functions` and `function_call` are
+# OpenAI's deprecated forms of `tools` and `tool_choice`.)
 _NOT_HONOURED: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "logit_bias": ({},),
     "echo": (False,),
     "suffix": ("",),
@@ -65,6 +63,7 @@ class Job:
     include_usage: bool
     model: str
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every text chunk
+    echo: dict[str, Any] | None = None  # /v1/responses: the request's fields its Response says back
 
 
 def _is_int(v: Any) -> bool:
@@ -172,6 +171,42 @@ def _every_event(body: dict[str, Any], sampling: dict[str, Any]) -> bool:
     return True
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (completions: 5)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> tuple[bool, int]:
+    """Chat: `logprobs` (true: each answer token's) and `top_logprobs` (that many alternatives)."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise BadRequest("`logprobs` must be true or false", param="logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"`top_logprobs` must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+        if not asked and top:
+            raise BadRequest("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+    return bool(asked), top or 0
+
+
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions: `logprobs` N (0..5): each token's, with the N most likely; None: not asked."""
+    asked = body.get("logprobs")
+    if asked is None:
+        return None
+    if not _is_int(asked) or not 0 <= asked <= 5:
+        raise BadRequest("`logprobs` must be an integer in [0, 5]", param="logprobs")
+    return asked
+
+
+def _generate_logprobs(body: dict[str, Any]) -> int | None:
+    """/generate: SGLang's `return_logprob` and `top_logprobs_num`."""
+    asked, top = body.get("return_logprob"), body.get("top_logprobs_num", 0)
+    if asked is not None and not isinstance(asked, bool):
+        raise BadRequest("`return_logprob` must be true or false", param="return_logprob")
+    if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"`top_logprobs_num` must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs_num")
+    return top if asked else None
+
+
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     """stream, include_usage, continuous_usage_stats (SGLang's and vLLM's option, for chat and
     completions alike: the tokens so far on every chunk, so a client that stops reading knows
@@ -188,45 +223,50 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
 def chat_job(body: dict[str, Any], *, request_id: str, served_model: str, context_tokens: int) -> Job:
     model = _check_model(body, served_model)
     _refuse_not_honoured(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("`messages` must be a non-empty list of messages", param="messages")
-    rendered = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
-            raise BadRequest(
-                f"messages[{i}] needs a role: system, developer, user, assistant or tool", param="messages"
-            )
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if not all(isinstance(t, str) for t in texts):
-                raise BadRequest(f"messages[{i}].content: every text part needs a string `text`", param="messages")
-            content = "".join(texts)
-        if content is not None and not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        if m.get("tool_calls") or m.get("function_call") or m["role"] == "tool":
-            raise BadRequest(
-                f"messages[{i}]: tool calls and tool results are not supported by this endpoint yet", param="messages"
-            )
-        rendered.append({"role": m["role"], "content": content or ""})
-    effort = body.get("reasoning_effort", "medium")
-    if effort not in ("low", "medium", "high"):
-        raise BadRequest("`reasoning_effort` must be low, medium or high", param="reasoning_effort")
-    text = tokens.render_harmony(rendered, reasoning_effort=effort, today=date.today().isoformat())
-    prompt_tokens = _count(text, context_tokens, "messages")
+    rendered = chat.chat(
+        body, today=date.today().isoformat(), max_chars=tokens.MAX_ENCODE_CHARS, context_tokens=context_tokens
+    )
+    prompt_tokens = len(rendered.prompt_ids)
+    if prompt_tokens >= context_tokens:
+        raise BadRequest(
+            f"The input is longer than the model's context of {context_tokens} tokens: it has {prompt_tokens}.",
+            param="messages",
+        )
     sampling = _sampling(body)
     every_event = _every_event(body, sampling)
     asked, budget = _max_tokens(body, prompt_tokens, context_tokens, "max_completion_tokens", "max_tokens")
     stream, include_usage, continuous = _stream_flags(body)
-    params = {**sampling, "max_new_tokens": budget}
-    request = wire.GenerateRequest(request_id, prompt_tokens, params, text=text, every_event=every_event)
+    params = {**sampling, **rendered.constraints, "max_new_tokens": budget}
+    logprobs, top = _chat_logprobs(body)
+    request = wire.GenerateRequest(
+        request_id,
+        prompt_tokens,
+        params,
+        input_ids=tuple(rendered.prompt_ids),
+        every_event=every_event,
+        logprobs=logprobs,
+        top_logprobs=top,
+    )
     return Job("chat", request, asked, stream, include_usage, model, continuous)
+
+
+def responses_job(body: dict[str, Any], *, request_id: str, served_model: str, context_tokens: int) -> Job:
+    """/v1/responses: the chat it is (federation/gateway/responses_api.py)."""
+    converted, echo = responses_api.chat_body(body)
+    job = chat_job(converted, request_id=request_id, served_model=served_model, context_tokens=context_tokens)
+    return dataclasses.replace(job, kind="responses", echo=echo)
+
+
+# Chat's fields, which a completion (a raw prompt, no Harmony) has no meaning for.
+_CHAT_ONLY = ("messages", "tools", "tool_choice", "response_format", "top_logprobs", "reasoning_effort")
 
 
 def completion_job(body: dict[str, Any], *, request_id: str, served_model: str, context_tokens: int) -> Job:
     model = _check_model(body, served_model)
     _refuse_not_honoured(body)
+    for name in _CHAT_ONLY:
+        if body.get(name) not in (None, []):
+            raise BadRequest(f"`{name}` is a chat field; /v1/completions takes a raw `prompt`", param=name)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
@@ -242,7 +282,8 @@ def completion_job(body: dict[str, Any], *, request_id: str, served_model: str, 
     asked, budget = _max_tokens({"max_tokens": 16, **body}, prompt_tokens, context_tokens, *fields)
     stream, include_usage, continuous = _stream_flags(body)
     params = {**sampling, "max_new_tokens": budget}
-    request = wire.GenerateRequest(request_id, prompt_tokens, params, text, ids, every_event)
+    top = _completion_logprobs(body)
+    request = wire.GenerateRequest(request_id, prompt_tokens, params, text, ids, every_event, top is not None, top or 0)
     return Job("completion", request, asked, stream, include_usage, model, continuous)
 
 
@@ -270,5 +311,8 @@ def generate_job(body: dict[str, Any], *, request_id: str, served_model: str, co
     stream = body.get("stream") is True
     # The worker validates the interval itself; whoever sets it wants the worker's own chunks.
     every_event = sampling.get("stream_interval") is not None
-    request = wire.GenerateRequest(request_id, prompt_tokens, sampling, text, ids, every_event)
+    top = _generate_logprobs(body)
+    request = wire.GenerateRequest(
+        request_id, prompt_tokens, sampling, text, ids, every_event, top is not None, top or 0
+    )
     return Job("generate", request, max_new if _is_int(max_new) and max_new > 0 else 0, stream, False, served_model)

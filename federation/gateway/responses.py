@@ -2,9 +2,11 @@
 native /generate shape, built from the answer's chunks; written to the client's SSE stream as
 they arrive, or collected into one body.
 
-Stream events are built per chunk, at the token rate, so they are not built as dicts: each
-request's event is cut once into the bytes before and after the chunk's text (`_Template`), and
-a chunk's event is those bytes around its JSON-escaped text. /generate's events are cumulative
+Stream events are built per chunk, at the token rate, so a completion's are not built as
+dicts: each request's event is cut once into the bytes before and after the chunk's text
+(`_text_template`), and a chunk's event is those bytes around its JSON-escaped text. A chat's
+(and a Responses request's) output is Harmony, read by openai-harmony's parser into reasoning,
+content and tool calls (`OutputItem`), each piece its own delta. /generate's events are cumulative
 (each holds the whole answer so far, as SGLang's default stream does): the escaped text and ids
 so far are kept and extended, not re-serialised per event.
 
@@ -24,16 +26,21 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import orjson
 import structlog
 from aiohttp import hdrs, web
 
+from core import harmony
 from core.errors import UpstreamFailed
+from federation.gateway import logprobs
 from federation.gateway.failover import Chunk
 from federation.gateway.jobs import Job
+from federation.gateway.responses_api import ResponseEvents
 
 log = structlog.get_logger("gateway")
 
@@ -72,6 +79,21 @@ def _cut(event: dict[str, Any]) -> tuple[bytes, ...]:
 _USAGE = b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}'
 
 
+@dataclass(slots=True)
+class OutputItem:
+    """One part of a Harmony answer as OpenAI's APIs show it: its reasoning, its text, or a
+    tool call (`name`: the function; `parts`: the arguments)."""
+
+    kind: Literal["reasoning", "content", "call"]
+    id: str
+    name: str = ""
+    parts: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
 class Answer:
     """Accumulates the chunks into the answer so far, and says it as the client's API does."""
 
@@ -87,18 +109,92 @@ class Answer:
         self._text_json = bytearray()  # /generate: the text so far, escaped for a JSON string
         self._ids_json = bytearray()  # /generate: the ids so far, comma-separated
         self._template: tuple[bytes, ...] = ()  # a text chunk's event, cut around its text (and usage)
+        # A chat's output is Harmony: read into reasoning, content and tool calls as it comes.
+        self._reader = harmony.OutputReader() if job.kind in ("chat", "responses") else None
+        self._pieces: list[tuple[harmony.PieceKind, str]] = []  # the latest chunk's, read
+        self._piece_items: list[int] = []  # the item each of those pieces belongs to
+        self.items: list[OutputItem] = []  # what the reader found, in order
+        self.final_begun = False  # a chat's answer (not its reasoning) has begun
+        self._responses = ResponseEvents(self) if job.kind == "responses" else None
+        # Asked for: the log probabilities of the answer's tokens so far, and of the latest chunk's.
+        self._logprobs_asked = job.request.logprobs
+        self._completion_logprobs = logprobs.CompletionLogprobs()
+        self.logprob_parts: list[Any] = []  # chat: content entries; completion: parts; generate: (id, lp, top)
+        self._chunk_logprobs: Any = None
 
     def add(self, chunk: Chunk) -> None:
-        if not self.job.stream:  # a stream's text and ids go out as they come, and are not kept
+        if self._reader is not None:
+            self._read(chunk)
+        elif not self.job.stream:  # a stream's text and ids go out as they come, and are not kept
             self.text_parts.append(chunk.text)
             self.output_ids.extend(chunk.output_ids)
+        if self._logprobs_asked:
+            self._add_logprobs(chunk)
         self.completion_tokens = chunk.completion_tokens
         self.finish = chunk.finish_reason or self.finish
         self.site = chunk.site or self.site
 
+    def _add_logprobs(self, chunk: Chunk) -> None:
+        """A chat's are its answer tokens' (not its reasoning's or a tool call's)."""
+        ids, lps, top = chunk.output_ids, chunk.logprobs, chunk.top or ((),) * len(chunk.logprobs)
+        if self._reader is not None:
+            kinds = self._reader.token_kinds if chunk.output_ids else []
+            entries = [
+                logprobs.chat_entry(t, lp, tp)
+                for t, lp, tp, kind in zip(ids, lps, top, kinds, strict=False)
+                if kind == "content"
+            ]
+            self.logprob_parts += entries
+            self._chunk_logprobs = entries
+        elif self.job.kind == "completion":
+            self._chunk_logprobs = self._completion_logprobs.add(ids[: len(lps)], lps, chunk.top)
+            self.logprob_parts.append(self._chunk_logprobs)
+        else:
+            self.logprob_parts += zip(ids, lps, top, strict=False)
+
+    def _read(self, chunk: Chunk) -> None:
+        assert self._reader is not None
+        if chunk.output_ids:
+            self._pieces = self._reader.feed(chunk.output_ids)
+        else:  # a site that sent text without ids: its text is the answer
+            self._pieces = [("content", chunk.text)] if chunk.text else []
+        items, self._piece_items = self.items, []
+        self.final_begun = self.final_begun or self._reader.final_begun
+        for kind, text in self._pieces:
+            self.final_begun = self.final_begun or kind == "content"
+            if kind == "arguments":
+                items[-1].parts.append(text)
+            elif kind == "call":
+                items.append(OutputItem("call", "call_" + uuid.uuid4().hex[:24], text))
+            elif items and items[-1].kind == kind:
+                items[-1].parts.append(text)
+            else:
+                items.append(OutputItem(kind, ("rs_" if kind == "reasoning" else "msg_") + uuid.uuid4().hex[:24]))
+                items[-1].parts.append(text)
+            self._piece_items.append(len(items) - 1)
+
+    def joined(self, kind: str) -> str:
+        return "".join(item.text for item in self.items if item.kind == kind)
+
+    @property
+    def calls(self) -> list[OutputItem]:
+        return [item for item in self.items if item.kind == "call"]
+
+    def constrained_output_begun(self) -> bool:
+        """Whether a grammar on the answer already shapes what was sent: a chat's constrains its
+        final answer only (not the reasoning before it); any other's, its whole output."""
+        return self.final_begun if self._reader is not None else self.completion_tokens > 0
+
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
+
+    @property
+    def ended_with_call(self) -> bool:
+        """The answer ended by calling a tool (`<|call|>`), and a call was read."""
+        if self._reader is None or not self.calls:
+            return False
+        return self._reader.ended_with_call or (self.finish or {}).get("matched") == harmony.CALL
 
     @property
     def openai_id(self) -> str:
@@ -117,12 +213,21 @@ class Answer:
     def body(self, e2e_latency_s: float) -> dict[str, Any]:
         if self.job.kind == "generate":
             return {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info(e2e_latency_s)}
-        finish = openai_finish_reason(self.finish)
+        finish = "tool_calls" if self.ended_with_call else openai_finish_reason(self.finish)
+        if self._responses is not None:
+            return self._responses.response("completed" if finish != "length" else "incomplete")
         if self.job.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": self.joined("content") or None}
+            if reasoning := self.joined("reasoning"):
+                message["reasoning_content"] = reasoning
+            if calls := self.calls:
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.text}} for c in calls
+                ]
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": self.text},
-                "logprobs": None,
+                "message": message,
+                "logprobs": self._chat_logprobs(self.logprob_parts),
                 "finish_reason": finish,
             }
             return {
@@ -130,7 +235,12 @@ class Answer:
                 "choices": [choice],
                 "usage": usage(self.job, self.completion_tokens),
             }
-        choice = {"index": 0, "text": self.text, "logprobs": None, "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "text": self.text,
+            "logprobs": logprobs.merge_completion(self.logprob_parts),
+            "finish_reason": finish,
+        }
         return {**self._head("text_completion"), "choices": [choice], "usage": usage(self.job, self.completion_tokens)}
 
     def meta_info(self, e2e_latency_s: float | None) -> dict[str, Any]:
@@ -144,11 +254,19 @@ class Answer:
         }
         if e2e_latency_s is not None:
             meta["e2e_latency"] = e2e_latency_s
+        if self._logprobs_asked:
+            ids, lps, top = zip(*self.logprob_parts, strict=True) if self.logprob_parts else ((), (), ())
+            meta.update(logprobs.sglang_triples(list(ids), list(lps), list(top) if any(top) else []))
         return meta
+
+    def _chat_logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+        return {"content": entries} if self._logprobs_asked else None
 
     # ---- stream events -----------------------------------------------------------------
 
     def opening_events(self) -> bytes:
+        if self._responses is not None:
+            return self._responses.opening()
         if self.job.kind != "chat":
             return b""
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -164,6 +282,16 @@ class Answer:
             final = chunk.finish_reason is not None
             meta = orjson.dumps(self.meta_info(time.monotonic() - started if final else None))
             return b'data: {"text":"%b","output_ids":[%b],"meta_info":%b}\n\n' % (self._text_json, self._ids_json, meta)
+        if self._responses is not None:
+            return self._responses.pieces(self._pieces, self._piece_items)
+        if self._reader is not None:
+            return b"".join(self._chat_event(kind, text) for kind, text in self._pieces)
+        if self._logprobs_asked and (chunk.text or chunk.logprobs):  # not the template: a chunk's own logprobs
+            choice = {"index": 0, "text": chunk.text, "logprobs": self._chunk_logprobs, "finish_reason": None}
+            event: dict[str, Any] = {**self._head("text_completion"), "choices": [choice]}
+            if self.job.continuous_usage:
+                event["usage"] = usage(self.job, self.completion_tokens)
+            return sse(event)
         if not chunk.text:
             return b""
         if not self._template:
@@ -176,11 +304,31 @@ class Answer:
         before, after = self._template
         return b"".join((before, orjson.dumps(chunk.text), after))
 
-    def _text_template(self) -> tuple[bytes, ...]:
-        if self.job.kind == "chat":
-            choice = {"index": 0, "delta": {"content": _HOLE}, "logprobs": None, "finish_reason": None}
+    def _chat_event(self, kind: harmony.PieceKind, text: str) -> bytes:
+        """A chat chunk: reasoning, content, a tool call's start or its arguments so far."""
+        delta: dict[str, Any]
+        if kind == "reasoning":
+            delta = {"reasoning_content": text}
+        elif kind == "content":
+            delta = {"content": text}
+        elif kind == "call":
+            calls = self.calls
+            call = {"index": len(calls) - 1, "id": calls[-1].id, "type": "function"}
+            delta = {"tool_calls": [{**call, "function": {"name": calls[-1].name, "arguments": ""}}]}
         else:
-            choice = {"index": 0, "text": _HOLE, "logprobs": None, "finish_reason": None}
+            delta = {"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": text}}]}
+        lps = self._chat_logprobs(self._chunk_logprobs or []) if kind == "content" else None
+        event = {
+            **self._head("chat.completion.chunk"),
+            "choices": [{"index": 0, "delta": delta, "logprobs": lps, "finish_reason": None}],
+        }
+        if self.job.continuous_usage:
+            event["usage"] = usage(self.job, self.completion_tokens)
+        return sse(event)
+
+    def _text_template(self) -> tuple[bytes, ...]:
+        """A completion's text chunk (a chat's chunks are read from Harmony: `_chat_event`)."""
+        choice = {"index": 0, "text": _HOLE, "logprobs": None, "finish_reason": None}
         event = {**self._head(self._chunk_object), "choices": [choice]}
         if self.job.continuous_usage:
             event["usage"] = _HOLE
@@ -189,7 +337,9 @@ class Answer:
     def closing_events(self) -> bytes:
         if self.job.kind == "generate":
             return b""
-        finish = openai_finish_reason(self.finish)
+        finish = "tool_calls" if self.ended_with_call else openai_finish_reason(self.finish)
+        if self._responses is not None:
+            return self._responses.closing("completed" if finish != "length" else "incomplete")
         kind = self._chunk_object
         if self.job.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
@@ -230,6 +380,9 @@ class Collected:
     def chunk(self, chunk: Chunk) -> None:
         self.answer.add(chunk)
 
+    def constrained_output_begun(self) -> bool:
+        return self.answer.constrained_output_begun()
+
     async def opened(self, site: str) -> None:
         self.first_chunk_at = time.monotonic()
 
@@ -262,6 +415,9 @@ class SseClient:
             if not self._queued and self._transport is not None:
                 self._queued = True
                 self._writes.add(self)
+
+    def constrained_output_begun(self) -> bool:
+        return self.answer.constrained_output_begun()
 
     async def opened(self, site: str) -> None:
         self.first_chunk_at = time.monotonic()

@@ -55,6 +55,8 @@ class Relayed:
         "started",
         "stream",
         "text",
+        "token_logprobs",
+        "top",
         "worker",
     )
 
@@ -71,6 +73,8 @@ class Relayed:
         self.worker = ""
         self.error = wire.StreamError.NONE
         self.error_message = ""
+        self.token_logprobs: list[float] = []  # asked for: the new tokens'
+        self.top: list[tuple[tuple[int, float], ...]] = []
         self.sent_tokens = 0  # completion tokens as of the last delta sent
         self.started = False  # its first delta was sent
         self.size_bytes = DELTA_OVERHEAD_BYTES  # of its next delta, roughly
@@ -82,6 +86,11 @@ class Relayed:
         self.completion_tokens, self.prompt_tokens = completion, prompt
         self.finish = finish
         self._call.waiting(self, urgent=self.every_event or finish is not None or not self.started)
+
+    def logprobs(self, chosen: list[float], top: list[tuple[tuple[int, float], ...]]) -> None:
+        self.token_logprobs += chosen
+        self.top += top
+        self.size_bytes += 4 * len(chosen) + 8 * sum(len(t) for t in top)
 
     def fail(self, error: wire.StreamError, message: str) -> None:
         """The generation ended without an answer's end; its last delta says why."""
@@ -101,8 +110,12 @@ class Relayed:
             self.accepted_unix_s if first else 0.0,
             self.error,
             self.error_message,
+            tuple(self.token_logprobs),
+            tuple(self.top),
         )
         self.text, self.ids, self.started, self.size_bytes = [], [], True, DELTA_OVERHEAD_BYTES
+        if self.token_logprobs:
+            self.token_logprobs, self.top = [], []
         return delta
 
 

@@ -205,6 +205,8 @@ class SiteAgentService(wire.SiteAgentServicer):
             payload["input_ids"] = list(req.input_ids)
         else:
             payload["text"] = req.text
+        if req.logprobs:  # SGLang's own fields for it, beside sampling_params
+            payload["return_logprob"], payload["top_logprobs_num"] = True, req.top_logprobs
         self.ledger.assign(worker, expected)
         held = self._held[record] = _Held(worker, expected)
         record.worker = worker.url
@@ -216,6 +218,7 @@ class SiteAgentService(wire.SiteAgentServicer):
                 payload,
                 incremental=worker.incremental,
                 on_event=record.event,
+                on_logprobs=record.logprobs if req.logprobs else None,
                 heard=worker,
                 connect_timeout_s=self.timings.connect_timeout_s,
             )

@@ -34,6 +34,9 @@ MAX_ERROR_BODY_BYTES = 64 * 1024  # a refusal's body; SGLang's are a few hundred
 
 # text, new output ids, completion tokens so far, prompt tokens, finish reason (None while running)
 OnEvent = Callable[[str, list[int], int, int, dict[str, Any] | None], None]
+# Asked for (SGLang's return_logprob): the new tokens' log probabilities, and at each of their
+# positions the most likely (id, log probability) pairs; called just before the event's OnEvent.
+OnLogprobs = Callable[[list[float], list[tuple[tuple[int, float], ...]]], None]
 
 
 class Heard(Protocol):
@@ -46,10 +49,20 @@ class Heard(Protocol):
 class WorkerCall(asyncio.Protocol):
     """One request's connection to a worker: writes the request, parses the answer's events."""
 
-    def __init__(self, request: bytes, *, incremental: bool, on_event: OnEvent, heard: Heard) -> None:
+    def __init__(
+        self,
+        request: bytes,
+        *,
+        incremental: bool,
+        on_event: OnEvent,
+        heard: Heard,
+        on_logprobs: OnLogprobs | None = None,
+    ) -> None:
         self._request = request
         self._incremental = incremental
         self._on_event = on_event
+        self._on_logprobs = on_logprobs
+        self._sent_logprobs = 0  # cumulative mode: the positions earlier events already held
         self._heard = heard
         self._parser = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
@@ -166,11 +179,30 @@ class WorkerCall(asyncio.Protocol):
             self._sent_text += len(text)
             self._sent_ids += len(ids)
         self.last_event_at = self._heard.last_event_at = time.monotonic()
+        if self._on_logprobs is not None and meta.get("output_token_logprobs"):
+            self._logprobs(meta)
         self._on_event(text, ids, meta["completion_tokens"], meta.get("prompt_tokens", 0), meta["finish_reason"])
+
+    def _logprobs(self, meta: dict[str, Any]) -> None:
+        """SGLang's [logprob, id, text] triples (cumulative unless the worker streams increments)."""
+        chosen, top = meta["output_token_logprobs"], meta.get("output_top_logprobs") or []
+        if not self._incremental:
+            chosen, top = chosen[self._sent_logprobs :], top[self._sent_logprobs :]
+            self._sent_logprobs += len(chosen)
+        pairs = [tuple((int(t[1]), float(t[0])) for t in position or ()) for position in top]
+        assert self._on_logprobs is not None
+        self._on_logprobs([float(t[0]) for t in chosen], pairs)
 
 
 async def start(
-    url: str, payload: dict[str, Any], *, incremental: bool, on_event: OnEvent, heard: Heard, connect_timeout_s: float
+    url: str,
+    payload: dict[str, Any],
+    *,
+    incremental: bool,
+    on_event: OnEvent,
+    heard: Heard,
+    connect_timeout_s: float,
+    on_logprobs: OnLogprobs | None = None,
 ) -> WorkerCall:
     """POST `payload` to the worker's /generate as a stream; events go to `on_event` as they
     arrive. Raises WorkerUnreachable if no connection can be made."""
@@ -182,7 +214,9 @@ async def start(
         f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     )
-    call = WorkerCall(head.encode() + body, incremental=incremental, on_event=on_event, heard=heard)
+    call = WorkerCall(
+        head.encode() + body, incremental=incremental, on_event=on_event, heard=heard, on_logprobs=on_logprobs
+    )
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(connect_timeout_s):

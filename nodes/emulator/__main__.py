@@ -15,7 +15,7 @@ import sys
 
 import structlog
 
-from core import runtime, tokens
+from core import harmony, runtime, tokens
 from core.gpus import PROFILES
 from nodes.emulator.server import WorkerServer
 from nodes.emulator.worker import Faults, WorkerConfig
@@ -93,6 +93,7 @@ def worker_configs(args: argparse.Namespace) -> list[WorkerConfig]:
 
 async def serve(args: argparse.Namespace) -> int:
     tokens.synthetic_text()  # build once, before the first request pays for it
+    harmony.encoding()  # chats are answered in Harmony
     servers = [
         WorkerServer(
             c,

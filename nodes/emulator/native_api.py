@@ -81,7 +81,29 @@ def generate_spec(worker: EmulatedWorker, body: dict[str, Any]) -> GenerateSpec:
         rid=rid,
         streaming=body.get("stream") is True,
         default_max_new_tokens=GENERATE_DEFAULT_MAX_NEW_TOKENS,
+        prompt_ids=_chat_prompt_ids(body),
+        top_logprobs=_top_logprobs(body),
     )
+
+
+def _top_logprobs(body: dict[str, Any]) -> int | None:
+    """SGLang's return_logprob / top_logprobs_num: None when not asked."""
+    if not body.get("return_logprob"):
+        return None
+    n = body.get("top_logprobs_num", 0)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise RequestError(f"top_logprobs_num must be a non-negative integer, got {n!r}.")
+    return n
+
+
+def _chat_prompt_ids(body: dict[str, Any]) -> list[int] | None:
+    """The prompt's ids if it may be a Harmony chat (which is then answered in Harmony)."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if isinstance(input_ids, list):
+        return input_ids
+    if isinstance(text, str) and "<|start|>assistant" in text:
+        return tokens.encode(text)
+    return None
 
 
 def meta_info(gen: Generation, completion_tokens: int) -> dict[str, Any]:
@@ -145,7 +167,26 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
 def _generate_event(gen: Generation, k: int, since: int) -> dict[str, Any]:
     """Everything after `since` tokens up to `k` (since = 0: cumulative)."""
     text, ids = gen.output(since, k)
-    return {"text": text, "output_ids": ids, "meta_info": meta_info(gen, k)}
+    meta = meta_info(gen, k)
+    if gen.spec.top_logprobs is not None:
+        meta["output_token_logprobs"] = [[logprob(since + i, t), t, None] for i, t in enumerate(ids)]
+        meta["output_top_logprobs"] = [top_logprobs(since + i, t, gen.spec.top_logprobs) for i, t in enumerate(ids)]
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def logprob(position: int, token: int) -> float:
+    """An emulated log probability for the token at a position: deterministic, in [-4, 0]."""
+    return -((token * 2_654_435_761 + position * 40_503) % 4_000) / 1_000
+
+
+def top_logprobs(position: int, token: int, n: int) -> list[list[Any]]:
+    """The `n` most likely tokens at a position, most likely first: the one written, then others."""
+    chosen = logprob(position, token)
+    alternatives = [
+        ((token + 7_919 * (j + 1)) % tokens.HARMONY_SPECIALS["<|startoftext|>"], chosen - 0.5 * (j + 1))
+        for j in range(n - 1)
+    ]
+    return [[lp, t, None] for t, lp in [(token, chosen), *alternatives]][:n]
 
 
 async def handle_health(request: web.Request) -> web.Response:

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from core import tokens
+from core import harmony
 from nodes.emulator.native_api import count_prompt
 from nodes.emulator.output import GenerateSpec
 from nodes.emulator.params import (
@@ -142,12 +142,12 @@ def _chat_prompt_tokens(body: dict[str, Any]) -> int:
         content = m.get("content")
         if content is not None and not isinstance(content, str | list):
             raise _type_error(f"messages.{i}.content", str, content)
-        rendered.append({"role": m["role"], "content": _message_text(content)})
+        role = m["role"] if m["role"] in ("system", "developer", "user", "assistant", "tool") else "user"
+        rendered.append(harmony.Turn(role, _message_text(content), function=m.get("name") or "tool"))
     effort = body.get("reasoning_effort") or "medium"
-    if effort == "none":
-        raise RequestError("Harmony does not support reasoning effort none")
-    text = tokens.render_harmony(rendered, reasoning_effort=effort, today=date.today().isoformat())
-    return count_prompt(text)
+    if effort not in harmony.EFFORTS:
+        raise RequestError(f"Harmony does not support reasoning effort {effort}")
+    return len(harmony.render_chat(rendered, [], reasoning_effort=effort, today=date.today().isoformat()))
 
 
 def _completion_prompt_tokens(body: dict[str, Any]) -> int:

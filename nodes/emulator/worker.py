@@ -14,6 +14,7 @@ from typing import Any
 from core import tokens
 from core.gpus import MODEL_CONTEXT_TOKENS, GpuProfile
 from nodes.emulator.engine import Engine, Sequence
+from nodes.emulator.harmony_answer import constraints
 from nodes.emulator.metrics import WorkerMetrics
 from nodes.emulator.output import GenerateSpec, OutputPlan, plan_output
 from nodes.emulator.params import resolve_max_new_tokens, verify_sampling
@@ -131,8 +132,11 @@ class EmulatedWorker:
         rid: str | None,
         streaming: bool,
         default_max_new_tokens: int | None,
+        prompt_ids: list[int] | None = None,
+        top_logprobs: int | None = None,
     ) -> GenerateSpec:
-        """Verify sampling parameters and lengths as SGLang does (raises RequestError)."""
+        """Verify sampling parameters and lengths as SGLang does (raises RequestError).
+        `prompt_ids`, when known: a Harmony chat prompt among them is answered in Harmony."""
         params = verify_sampling(sampling, default_max_new_tokens=default_max_new_tokens)
         max_new = resolve_max_new_tokens(
             prompt_tokens,
@@ -153,6 +157,8 @@ class EmulatedWorker:
             seed=params.seed,
             streaming=streaming,
             stream_interval=params.stream_interval,
+            top_logprobs=top_logprobs,
+            **constraints(sampling, prompt_ids),
         )
 
     def set_slowdown(self, factor: float) -> None:
