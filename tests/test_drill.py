@@ -29,7 +29,7 @@ KEYS = {
 }
 
 
-SMALL = ["--open-requests", "60", "--output-mean", "40", "--warmup-s", "3", "--before-s", "3", "--after-s", "8"]
+SMALL = ["--open-requests", "60", "--output-mean", "40", "--warmup-s", "2", "--before-s", "2", "--after-s", "6"]
 
 
 def _fedctl_drill(tmp_path: Path, scenario: str, *args: str) -> subprocess.CompletedProcess:
@@ -93,7 +93,7 @@ def test_a_site_that_joins_under_load_takes_its_share_and_fails_nothing(tmp_path
     """add-site: 8 emulated MI355X in eu-central-1 join the loaded federation; it is ready at
     the schedulers within the drill, is routed work, and no request fails; the report has the
     issue's keys."""
-    report = _drill(tmp_path, "add-site", "--after-s", "12")
+    report = _drill(tmp_path, "add-site", "--after-s", "10")
     assert KEYS | {"throughput_ratio", "converge_s", "standalone"} <= set(report)
     assert report["site"] == "eu-mi355x" and report["detection_s"] is not None
     assert report["requests_failed"] == 0 and report["lost"] == 0, report["errors"]

@@ -54,6 +54,35 @@ _NOT_HONOURED: dict[str, tuple[Any, ...]] = {
 }
 
 
+# Every field a chat or a completion may carry: each is honoured, refused when its value asks
+# for something not done (_NOT_HONOURED, _CHAT_ONLY), or informational (user, metadata,
+# service_tier, prompt_cache_key, safety_identifier: nothing in the answer depends on them).
+# Any other field is refused, naming it, rather than ignored.
+_COMMON_FIELDS = frozenset(
+    "model stream stream_options max_tokens temperature top_p top_k min_p presence_penalty frequency_penalty "
+    "repetition_penalty seed min_tokens stop stop_token_ids ignore_eos n stream_interval logprobs logit_bias "
+    "user metadata service_tier store prompt_cache_key safety_identifier".split()
+)
+_CHAT_FIELDS = _COMMON_FIELDS | frozenset(
+    "messages max_completion_tokens tools tool_choice parallel_tool_calls response_format reasoning_effort "
+    "top_logprobs functions function_call audio modalities prediction web_search_options".split()
+)
+_COMPLETION_FIELDS = _COMMON_FIELDS | frozenset("prompt echo suffix best_of".split())
+
+
+def _refuse_unknown(body: dict[str, Any], known: frozenset[str]) -> None:
+    for name in body:
+        if name not in known:
+            raise BadRequest(f"`{name}` is not a field this endpoint takes", param=name)
+    for name, kind, what in (
+        ("user", str, "a string"),
+        ("metadata", dict, "an object"),
+        ("parallel_tool_calls", bool, "true or false"),
+    ):
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise BadRequest(f"`{name}` must be {what}", param=name)
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     kind: JobKind
@@ -222,6 +251,7 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
 
 def chat_job(body: dict[str, Any], *, request_id: str, served_model: str, context_tokens: int) -> Job:
     model = _check_model(body, served_model)
+    _refuse_unknown(body, _CHAT_FIELDS)
     _refuse_not_honoured(body)
     rendered = chat.chat(
         body, today=date.today().isoformat(), max_chars=tokens.MAX_ENCODE_CHARS, context_tokens=context_tokens
@@ -263,10 +293,11 @@ _CHAT_ONLY = ("messages", "tools", "tool_choice", "response_format", "top_logpro
 
 def completion_job(body: dict[str, Any], *, request_id: str, served_model: str, context_tokens: int) -> Job:
     model = _check_model(body, served_model)
-    _refuse_not_honoured(body)
     for name in _CHAT_ONLY:
         if body.get(name) not in (None, []):
             raise BadRequest(f"`{name}` is a chat field; /v1/completions takes a raw `prompt`", param=name)
+    _refuse_unknown(body, _COMPLETION_FIELDS | frozenset(_CHAT_ONLY))
+    _refuse_not_honoured(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
