@@ -267,7 +267,7 @@ async def test_a_cut_inside_a_constrained_document_fails_clearly(make_federation
     """Cut inside the JSON document itself, the answer cannot go on under SGLang's grammar (a
     grammar starts at a generation's start, and the document's beginning was already sent):
     the stream ends with an error saying so, not with invalid JSON."""
-    fed, _ = make_federation(speed=1)
+    fed, _ = make_federation(speed=2)
     async with _client(fed) as client:
         with pytest.raises(openai.APIError, match="cannot continue mid-document"):
             await _kill_when(
