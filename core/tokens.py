@@ -76,9 +76,13 @@ def encode(text: str, limit: int | None = None) -> list[int]:
     return ids
 
 
+_SPECIAL_NAMES = {i: name for name, i in HARMONY_SPECIALS.items()}
+
+
 def token_bytes(token: int) -> bytes:
-    """An ordinary token's bytes (Harmony's specials are not in o200k_base)."""
-    return _encoding().decode_single_token_bytes(token)
+    """A token's bytes; a Harmony special (not in o200k_base) is its name."""
+    name = _SPECIAL_NAMES.get(token)
+    return name.encode() if name is not None else _encoding().decode_single_token_bytes(token)
 
 
 def count(text: str, limit: int | None = None) -> int:

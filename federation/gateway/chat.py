@@ -107,18 +107,23 @@ _MESSAGES = TypeAdapter(list[_Message])
 _UNION_BRANCHES = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
-def field_path(loc: tuple[int | str, ...]) -> list[int | str]:
-    """A pydantic error's location without its union-branch names: the field as a client wrote it."""
-    return [p for p in loc if isinstance(p, int) or (str(p).isidentifier() and p not in _UNION_BRANCHES)]
+def invalid(exc: ValidationError, within: tuple[str, ...] = ()) -> tuple[list[int | str], str]:
+    """A pydantic error's first failure: the field's path as a client wrote it (without
+    pydantic's union-branch names), and "`a.b[0]`: why"."""
+    error = exc.errors()[0]
+    path = [
+        *within,
+        *(p for p in error["loc"] if isinstance(p, int) or (str(p).isidentifier() and p not in _UNION_BRANCHES)),
+    ]
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+    return path, f"`{where}`: {error['msg']}"
 
 
 def _checked(adapter: TypeAdapter, value: Any, field: str) -> Any:
     try:
         return adapter.validate_python(value)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        where = field + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in field_path(error["loc"]))
-        raise BadRequest(f"`{where}`: {error['msg']}", param=field) from None
+        raise BadRequest(invalid(exc, (field,))[1], param=field) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,28 +10,21 @@ from typing import Any
 
 from core import tokens
 
-_SPECIAL_NAMES = {i: name for name, i in tokens.HARMONY_SPECIALS.items()}
-
 Top = tuple[tuple[int, float], ...]
 
 
-def token_bytes(token: int) -> bytes:
-    name = _SPECIAL_NAMES.get(token)
-    return name.encode() if name is not None else tokens.token_bytes(token)
-
-
 def _text(token: int) -> str:
-    return token_bytes(token).decode(errors="replace")
+    return tokens.token_bytes(token).decode(errors="replace")
 
 
 def chat_entry(token: int, logprob: float, top: Top) -> dict[str, Any]:
     """One answer token as OpenAI chat's `logprobs.content[]` says it."""
-    raw = token_bytes(token)
+    raw = tokens.token_bytes(token)
     return {
         "token": raw.decode(errors="replace"),
         "logprob": logprob,
         "bytes": list(raw),
-        "top_logprobs": [{"token": _text(t), "logprob": lp, "bytes": list(token_bytes(t))} for t, lp in top],
+        "top_logprobs": [{"token": _text(t), "logprob": lp, "bytes": list(tokens.token_bytes(t))} for t, lp in top],
     }
 
 

@@ -16,7 +16,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.errors import BadRequest
-from federation.gateway.chat import field_path
+from federation.gateway.chat import invalid
 
 if TYPE_CHECKING:
     from federation.gateway.responses import Answer
@@ -80,19 +80,10 @@ def chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     try:
         req = _Request.model_validate(body)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        path = field_path(error["loc"])
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
-        hint = (
-            " (responses are not stored: send the whole conversation, with store false)"
-            if path[:1]
-            in (
-                ["store"],
-                ["previous_response_id"],
-            )
-            else ""
-        )
-        raise BadRequest(f"`{where}`: {error['msg']}{hint}", param=str(path[0]) if path else None) from None
+        path, message = invalid(exc)
+        unstored = path[:1] in (["store"], ["previous_response_id"])
+        hint = " (responses are not stored: send the whole conversation, with store false)" if unstored else ""
+        raise BadRequest(message + hint, param=str(path[0]) if path else None) from None
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + _messages(req.input)
     chat: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
     if req.tools:
@@ -172,6 +163,14 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
+# The event that carries a piece of each kind, and its fields besides the item and the text.
+_DELTA_EVENTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "reasoning": ("response.reasoning_text.delta", {"content_index": 0}),
+    "content": ("response.output_text.delta", {"content_index": 0, "logprobs": []}),
+    "arguments": ("response.function_call_arguments.delta", {}),
+}
+
+
 class ResponseEvents:
     """An answer said as a Response: the whole object, or the stream of events that builds it
     (each item added, its deltas, done; `sequence_number` counting every event)."""
@@ -224,34 +223,10 @@ class ResponseEvents:
                     out.append(self._close(self._open))
                 self._open = index
                 out.append(self._added(index))
-            item_id = _item_id(self._answer.items[index])
-            if kind == "reasoning":
-                out.append(
-                    self._event(
-                        "response.reasoning_text.delta",
-                        item_id=item_id,
-                        output_index=index,
-                        content_index=0,
-                        delta=text,
-                    )
-                )
-            elif kind == "content":
-                out.append(
-                    self._event(
-                        "response.output_text.delta",
-                        item_id=item_id,
-                        output_index=index,
-                        content_index=0,
-                        delta=text,
-                        logprobs=[],
-                    )
-                )
-            elif kind == "arguments":
-                out.append(
-                    self._event(
-                        "response.function_call_arguments.delta", item_id=item_id, output_index=index, delta=text
-                    )
-                )
+            if kind in _DELTA_EVENTS:  # a call's start is its item being added
+                name, fields = _DELTA_EVENTS[kind]
+                item_id = _item_id(self._answer.items[index])
+                out.append(self._event(name, item_id=item_id, output_index=index, **fields, delta=text))
         return b"".join(out)
 
     def _added(self, index: int) -> bytes:
