@@ -326,6 +326,7 @@ async def test_the_responses_api_round_trip(shared) -> None:
         for fields, param in (
             (dict(store=True), "store"),
             (dict(previous_response_id="resp_1"), "previous_response_id"),
+            (dict(reasoning={"summary": "auto"}), "reasoning"),
         ):
             with pytest.raises(openai.BadRequestError) as raised:
                 await client.responses.create(model=MODEL, input="hi", **fields)

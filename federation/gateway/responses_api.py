@@ -94,6 +94,11 @@ def chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         chat["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
     elif req.tool_choice is not None:
         chat["tool_choice"] = req.tool_choice
+    if req.reasoning and req.reasoning.summary:
+        raise BadRequest(
+            "`reasoning.summary` is not supported: gpt-oss's reasoning comes whole, as a reasoning item",
+            param="reasoning",
+        )
     if req.reasoning and req.reasoning.effort:
         chat["reasoning_effort"] = req.reasoning.effort
     fmt = req.text.format if req.text else None
