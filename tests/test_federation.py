@@ -342,17 +342,88 @@ async def test_bad_requests_never_reach_a_worker(federation, http: aiohttp.Clien
         {"text": "hi", "sampling_params": {"max_new_tokens": 2**32}},
         {"text": "hi", "sampling_params": "fast"},
         {"sampling_params": {}},
+        {"text": "hi", "sampling_params": {"temprature": 0.5}},
+        {"text": "hi", "sampling_params": {"max_new_tokens": "ten"}},
+        {"text": "hi", "image_data": "https://example.com/cat.png"},
+        {"text": "hi", "lora_path": "adapter"},
+        {"text": "hi", "return_logprob": "yes"},
+        {"text": "hi", "rid": "has space"},
     ],
-    ids=["negative-id", "huge-id", "huge-max-new-tokens", "params-not-object", "no-prompt"],
+    ids=[
+        "negative-id",
+        "huge-id",
+        "huge-max-new-tokens",
+        "params-not-object",
+        "no-prompt",
+        "unknown-sampling-param",
+        "sampling-param-type",
+        "images",
+        "lora",
+        "return-logprob-type",
+        "bad-rid",
+    ],
 )
 async def test_bad_generate_requests_get_400(federation, http: aiohttp.ClientSession, body) -> None:
-    """SGLang-native /generate through the gateway refuses bad input with a 400 JSON error, before
-    any site is asked."""
+    """SGLang-native /generate through the gateway refuses bad input with a 400 JSON error naming
+    the field, before any site is asked: SGLang's fields for what is not served here (images,
+    LoRA adapters) are refused, not ignored."""
     fed, path, _ = federation
     routed = sum(s["routed_requests"] for s in _status(path)["sites"])
     async with http.post(fed.ready["endpoint"].removesuffix("/v1") + "/generate", json=body) as resp:
         assert resp.status == 400
-        assert (await resp.json())["error"]["type"] == "invalid_request_error"
+        error = (await resp.json())["error"]
+    assert error["type"] == "invalid_request_error"
+    named = set(body) - {"text", "input_ids"} or {None}
+    if len(named) == 1 and "text" in body:
+        assert error["param"] == named.pop(), error
+    assert sum(s["routed_requests"] for s in _status(path)["sites"]) == routed
+
+
+async def test_generate_takes_what_sglang_and_its_router_send(federation, http: aiohttp.ClientSession) -> None:
+    """Keys SGLang ignores (the sglang-router adds `model`, `log_metrics`, …) are ignored here too;
+    SGLang's fields at their empty values are taken; `rid` is the answer's id, as in SGLang."""
+    fed, _, _ = federation
+    body = {
+        "text": "hi",
+        "rid": "my-run.42",
+        "model": MODEL,
+        "log_metrics": True,
+        "return_hidden_states": False,
+        "lora_path": None,
+        "logprob_start_len": -1,
+        "some_future_key": 1,
+        "sampling_params": {"max_new_tokens": 5, "ignore_eos": True},
+    }
+    async with http.post(fed.ready["endpoint"].removesuffix("/v1") + "/generate", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        answer = await resp.json()
+    assert answer["meta_info"]["id"] == "my-run.42" and answer["meta_info"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"prompt": [1, 2, -3]}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"best_of": 3}, "best_of"),
+        ({"echo": True}, "echo"),
+        ({"logprobs": 9}, "logprobs"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"n": 2}, "n"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
+        ({"messages": MESSAGES}, "messages"),
+        ({"guided_json": {}}, "guided_json"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+async def test_bad_completions_are_refused_naming_the_field(federation, http: aiohttp.ClientSession, fields, param):
+    fed, path, _ = federation
+    routed = sum(s["routed_requests"] for s in _status(path)["sites"])
+    body = {"model": MODEL, "prompt": "Once upon a time", **fields}
+    async with http.post(fed.ready["endpoint"] + "/completions", json=body) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
     assert sum(s["routed_requests"] for s in _status(path)["sites"]) == routed
 
 

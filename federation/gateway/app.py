@@ -143,6 +143,7 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
     job = make_job(
         await _body(request), request_id=request_id, served_model=config.model, context_tokens=config.context_tokens
     )
+    request_id = job.request.request_id  # /generate's `rid`, when given
     holder: tuple[str, KeyLimits] | None = request.get(HOLDER_KEY)
     key_name = holder[0] if holder else None
     if holder is not None:

@@ -13,20 +13,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from core.errors import BadRequest
-from federation.gateway.chat import invalid
+from federation.gateway.request_models import Strict, invalid
 
 if TYPE_CHECKING:
     from federation.gateway.responses import Answer
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class _FunctionTool(_Strict):
+class _FunctionTool(Strict):
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -34,17 +30,17 @@ class _FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class _NamedTool(_Strict):
+class _NamedTool(Strict):
     type: Literal["function"]
     name: str
 
 
-class _Reasoning(_Strict):
+class _Reasoning(Strict):
     effort: Literal["low", "medium", "high"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class _Format(_Strict):
+class _Format(Strict):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -52,11 +48,11 @@ class _Format(_Strict):
     strict: bool | None = None
 
 
-class _Text(_Strict):
+class _Text(Strict):
     format: _Format | None = None
 
 
-class _Request(_Strict):
+class _Request(Strict):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
