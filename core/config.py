@@ -26,14 +26,14 @@ model: openai/gpt-oss-120b
 host: 127.0.0.1
 speed: 1.0
 gateway: {port: 8080, region: us-west-2}
-scheduler: {port: 50051, region: us-west-2, replicas: 2}
+scheduler: {port: 50051, region: us-west-2, replicas: 2, metrics_port: 9451}
 links:
   - {between: [ap-northeast-2, us-west-2], rtt_ms: 130}
   - {between: [eu-central-1, us-west-2], rtt_ms: 150}
   - {between: [ap-northeast-2, eu-central-1], rtt_ms: 230}
 sites:
-  - {name: kr-mi300x, region: ap-northeast-2, gpu: mi300x, gpus: 16, agent_port: 50061}
-  - {name: us-mi355x, region: us-west-2, gpu: mi355x, gpus: 16, agent_port: 50062}
+  - {name: kr-mi300x, region: ap-northeast-2, gpu: mi300x, gpus: 16, agent_port: 50061, metrics_port: 9461}
+  - {name: us-mi355x, region: us-west-2, gpu: mi355x, gpus: 16, agent_port: 50062, metrics_port: 9462}
 """
 
 GPUS = ("mi300x", "mi355x")
@@ -51,6 +51,7 @@ class SiteConfig:
     gpus: int
     agent_port: int
     worker_port: int | None = None  # first port of the emulated workers; None: any free block
+    metrics_port: int | None = None  # the agent's /metrics (docs/METRICS.md); None: not served
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,7 @@ class Config:
     control_rtt_ms: dict[tuple[str, str], float] | None = None
     sites: tuple[SiteConfig, ...] = ()
     scheduler_replicas: int = 1  # active-active: any of them can decide, agents report to all
+    scheduler_metrics_port: int | None = None  # replica i's /metrics on this + i; None: not served
     timings: Timings = field(default_factory=Timings)  # each component's waits (core/settings.py)
 
     @property
@@ -152,13 +154,15 @@ class _Scheduler(_Section):
     region: StrictStr | None = None  # the gateway's
     replicas: _POSITIVE_INT = 1
     policy: StrictStr = "least_expected_delay"
+    metrics_port: _PORT | None = None  # replica i's /metrics on metrics_port + i
 
     @pydantic.model_validator(mode="after")
     def _known(self) -> _Scheduler:
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler.policy must be one of {', '.join(sorted(POLICIES))}")
-        if self.port + self.replicas - 1 > 65535:
-            raise ValueError("the last replica's port (port + replicas - 1) must be <= 65535")
+        for name, port in (("port", self.port), ("metrics_port", self.metrics_port)):
+            if port is not None and port + self.replicas - 1 > 65535:
+                raise ValueError(f"the last replica's {name} ({name} + replicas - 1) must be <= 65535")
         return self
 
 
@@ -174,6 +178,7 @@ class _Site(_Section):
     gpus: _POSITIVE_INT
     agent_port: _PORT
     worker_port: _PORT | None = None  # first port of the emulated workers; None: any free block
+    metrics_port: _PORT | None = None
 
     @pydantic.model_validator(mode="after")
     def _ports(self) -> _Site:
@@ -217,7 +222,9 @@ def parse(text: str, source: str = "config") -> Config:
     for link in file.links:
         a, b = link.between
         rtt[(a, b)] = rtt[(b, a)] = float(link.rtt_ms)
-    sites = tuple(SiteConfig(s.name, s.region, s.gpu, s.gpus, s.agent_port, s.worker_port) for s in file.sites)
+    sites = tuple(
+        SiteConfig(s.name, s.region, s.gpu, s.gpus, s.agent_port, s.worker_port, s.metrics_port) for s in file.sites
+    )
     if len({s.name for s in sites}) != len(sites):
         raise ConfigError(f"{source}: site names must be unique")
     config = Config(
@@ -237,6 +244,7 @@ def parse(text: str, source: str = "config") -> Config:
         rtt_ms=rtt,
         sites=sites,
         scheduler_replicas=file.scheduler.replicas,
+        scheduler_metrics_port=file.scheduler.metrics_port,
         timings=file.timings,
     )
     try:
@@ -262,8 +270,12 @@ def _check_ports(config: Config, source: str) -> None:
     claim(config.gateway_port, "the gateway")
     for i in range(config.scheduler_replicas):
         claim(config.scheduler_port + i, f"scheduler replica {i}")
+        if config.scheduler_metrics_port is not None:
+            claim(config.scheduler_metrics_port + i, f"scheduler replica {i}'s metrics")
     for site in config.sites:
         claim(site.agent_port, f"{site.name}'s agent")
+        if site.metrics_port is not None:
+            claim(site.metrics_port, f"{site.name}'s agent's metrics")
         if site.worker_port is not None:
             for gpu in range(site.gpus):
                 claim(site.worker_port + gpu, f"{site.name}'s worker {gpu}")

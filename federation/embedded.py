@@ -135,6 +135,7 @@ class Federation:
         port = c.scheduler_port + replica
         return [
             *("--host", c.host, "--port", str(port), "--model", c.model, "--policy", c.policy),
+            *(["--metrics-port", str(c.scheduler_metrics_port + replica)] if c.scheduler_metrics_port else []),
             *self._rtt_args(),
             *_timings_args(c.timings.scheduler),
         ]
@@ -191,6 +192,7 @@ class Federation:
                 "--emulator-stream-interval",
                 str(c.stream_interval),
                 *(["--emulator-port", str(site.worker_port)] if site.worker_port else []),
+                *(["--metrics-port", str(site.metrics_port)] if site.metrics_port else []),
                 *(["--emulator-enable-faults"] if self.faults else []),
                 *_timings_args(c.timings.agent),
             ],

@@ -14,7 +14,7 @@ import sys
 import grpc
 import structlog
 
-from core import credential, mtls, runtime, unreadable, wire
+from core import credential, metrics_endpoint, mtls, runtime, unreadable, wire
 from core.authz import Guard
 from core.pki import SCHEDULER
 from core.policy import POLICIES
@@ -35,6 +35,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=sorted(POLICIES),
         default="least_expected_delay",
         help="routing policy; the others are baselines for benchmarks",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics on this port of --host (HTTPS, operators' certificates only; HTTP with --insecure)",
     )
     p.add_argument("--rtt-ms", type=runtime.rtt_arg, action="append", default=[], help="REGION:REGION=MS, repeatable")
     add_timings_argument(p, SchedulerTimings)
@@ -66,12 +72,21 @@ async def serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         log.error("scheduler.bind_failed", address=address, error=str(exc))
         return 1
+    metrics = None
+    if args.metrics_port is not None:
+        try:
+            metrics = await metrics_endpoint.serve(service.metrics.registry, args.host, args.metrics_port, args.tls)
+        except OSError as exc:
+            log.error("scheduler.bind_failed", address=f"{args.host}:{args.metrics_port}", error=str(exc))
+            return 1
     await server.start()
     expiry = asyncio.ensure_future(service.expire_forever())
     stop = runtime.stop_event()
-    runtime.announce_ready(scheduler=address)
+    runtime.announce_ready(scheduler=address, **metrics_endpoint.announced(args.host, args.metrics_port, args.tls))
     await stop.wait()
     expiry.cancel()
+    if metrics is not None:
+        await metrics.cleanup()
     await server.stop(args.timings.shutdown_grace_s)
     return 0
 

@@ -17,6 +17,7 @@ from core.authz import UNGUARDED, Guard
 from core.credential import presented
 from core.policy import POLICIES, RouteContext
 from core.settings import SchedulerTimings
+from scheduler.metrics import SchedulerMetrics
 from scheduler.registry import RegistrationRefused, Registry, UnknownSite
 
 log = structlog.get_logger("scheduler")
@@ -47,6 +48,7 @@ class SchedulerService(wire.SchedulerServicer):
         self.timings = timings
         self.guard = guard
         self.registry = Registry(model, timings, tokenizer)
+        self.metrics = SchedulerMetrics(self.registry)
         self.join_credential = join_credential  # "": any site may join (a federation on one machine)
         self.rtt_s = dict(rtt_s)
         self.policy = POLICIES[policy]
@@ -77,11 +79,13 @@ class SchedulerService(wire.SchedulerServicer):
         if not presented(context, self.join_credential):
             reason = f"site {reg.name!r} did not present this federation's join credential"
             self.registry.refuse(reg.name, reason)
+            self.metrics.refused_registrations.inc()
             log.warning("site.refused", site=reg.name, reason=reason)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
         try:
             site = self.registry.register(reg)
         except RegistrationRefused as exc:
+            self.metrics.refused_registrations.inc()
             log.warning("site.refused", site=reg.name, reason=str(exc))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         log.info(
@@ -150,14 +154,18 @@ class SchedulerService(wire.SchedulerServicer):
 
     async def Route(self, request, context):
         await self.guard.admit(context, "Route")
+        started = time.perf_counter()
         req = wire.route_request_from_pb(request)
         decision = self.policy(self.registry.routable(), req, RouteContext(self.rtt_s, self._decisions))
         if decision is None:
+            self.metrics.routes.labels("", "no_site").inc()
             # Not UNAVAILABLE: that is what a gateway retries (the scheduler itself unreachable).
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no site is ready to serve")
         if not req.dry_run:
             self._decisions += 1
             self.registry.record_route(decision.site, req, time.monotonic())
+        self.metrics.route_decision.observe(time.perf_counter() - started)
+        self.metrics.routes.labels(decision.site, "dry_run" if req.dry_run else "routed").inc()
         return wire.decision_to_pb(decision)
 
     def _state(self) -> wire.FederationState:

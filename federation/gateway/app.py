@@ -202,6 +202,17 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         raise
     finally:
         metrics.request_done(outcome, generation.retries, generation.resumed)
+        metrics.observe(
+            metrics.Timings(
+                started,
+                generation.routed_at,
+                out.first_chunk_at,
+                time.monotonic(),
+                generation.sites[0] if generation.sites else "",
+                answer.site,
+                answer.completion_tokens if outcome == "ok" else 0,
+            )
+        )
         if holder is not None:
             app[LIMITER_KEY].release(*holder, answer.completion_tokens)
             metrics.key_usage(holder[0], outcome, job.request.prompt_tokens, answer.completion_tokens)
@@ -290,7 +301,9 @@ def build_app(config: GatewayConfig) -> web.Application:
         app[ADMISSION_KEY] = admission.Admission(app[SCHEDULERS_KEY], config.max_held)
         app[BREAKERS_KEY] = SiteBreakers(open_s=config.timings.circuit_open_s)
         app[WRITES_KEY] = WriteBatch()
-        flushing = asyncio.ensure_future(metrics.flush_forever())
+        flushing = asyncio.ensure_future(
+            metrics.flush_forever(lambda: app[SCHEDULERS_KEY].degraded, lambda: app[ADMISSION_KEY].held)
+        )
         yield
         flushing.cancel()
         await asyncio.gather(flushing, return_exceptions=True)

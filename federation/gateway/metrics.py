@@ -13,9 +13,19 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest, multiprocess
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -80,6 +90,63 @@ REFUSED_CONNECTIONS = Counter(
     registry=REGISTRY,
 )
 
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+ROUTE_SECONDS = Histogram(
+    "federation_gateway_route_seconds",
+    "From a request's arrival to its Route decided (its first, when it was retried).",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+TTFT_SECONDS = Histogram(
+    "federation_gateway_ttft_seconds",
+    "From a request's arrival to its first chunk relayed, by the site that made it.",
+    ["site"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+TPOT_SECONDS = Histogram(
+    "federation_gateway_tpot_seconds",
+    "A finished request's mean time per output token after its first, by the site that ended it.",
+    ["site"],
+    buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2),
+    registry=REGISTRY,
+)
+DEGRADED = Gauge(
+    "federation_gateway_degraded",
+    "1 while no scheduler replica answers and routes come from the last state watched.",
+    registry=REGISTRY,
+    multiprocess_mode="max",
+)
+HELD = Gauge(
+    "federation_gateway_held_requests",
+    "Requests waiting in the latency mode's hold queue for a site that can meet their TTFT budget.",
+    registry=REGISTRY,
+    multiprocess_mode="livesum",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """When a finished request reached each point, by the monotonic clock (None: never)."""
+
+    arrived: float
+    routed: float | None
+    first_chunk: float | None
+    ended: float
+    first_site: str
+    last_site: str
+    output_tokens: int
+
+
+def observe(t: Timings) -> None:
+    if t.routed:
+        ROUTE_SECONDS.observe(t.routed - t.arrived)
+    if t.first_chunk and t.first_site:
+        TTFT_SECONDS.labels(t.first_site).observe(t.first_chunk - t.arrived)
+        if t.output_tokens > 1 and t.last_site:
+            TPOT_SECONDS.labels(t.last_site).observe((t.ended - t.first_chunk) / (t.output_tokens - 1))
+
+
 # Tokens relayed since the last flush, by site: counted per chunk here (`RELAYED[site] += n`, a
 # dict add), and added to the Prometheus counter once a FLUSH_INTERVAL_S and as each request ends
 # (in multiprocess mode every increment is a write to a shared file: per chunk, a few % of the
@@ -94,10 +161,14 @@ def flush_relayed() -> None:
     RELAYED.clear()
 
 
-async def flush_forever() -> None:
+async def flush_forever(degraded: Callable[[], bool], held: Callable[[], int]) -> None:
+    """The token counts, and the gauges of this process's state, written out twice a second
+    (in multiprocess mode a scrape reads what each process last wrote)."""
     while True:
         await asyncio.sleep(FLUSH_INTERVAL_S)
         flush_relayed()
+        DEGRADED.set(1 if degraded() else 0)
+        HELD.set(held())
 
 
 def request_done(outcome: str, retries: int, resumed: int) -> None:

@@ -24,7 +24,7 @@ import aiohttp
 import grpc
 import structlog
 
-from core import credential, mtls, runtime, unreadable, wire
+from core import credential, metrics_endpoint, mtls, runtime, unreadable, wire
 from core.authz import Guard
 from core.pki import Identity, Role
 from core.settings import AgentTimings, add_timings_argument
@@ -51,6 +51,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="openai/gpt-oss-120b")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50061)
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics on this port of --host (HTTPS, operators' certificates only; HTTP with --insecure)",
+    )
     p.add_argument("--advertise", default=None, help="host:port gateways dial (default host:port)")
     p.add_argument(
         "--scheduler",
@@ -145,12 +151,20 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     served = _what_workers_serve(pool, args.model)
     if served is None:
         return 1
+    metrics = None
+    if args.metrics_port is not None:
+        try:
+            metrics = await metrics_endpoint.serve(service.metrics.registry, args.host, args.metrics_port, args.tls)
+        except OSError as exc:
+            log.error("agent.bind_failed", address=f"{args.host}:{args.metrics_port}", error=str(exc))
+            return 1
+    announced = metrics_endpoint.announced(args.host, args.metrics_port, args.tls)
     await server.start()
     tasks = [asyncio.ensure_future(pool.check_forever()), asyncio.ensure_future(service.watch_calls())]
     stop = asyncio.ensure_future(runtime.stop_event().wait())
     waits = not gate.schedulers.done()
     if waits:  # ready to be joined: serving, not yet probed or reporting
-        runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=False)
+        runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=False, **announced)
         log.info("agent.waiting_to_join", site=args.site, agent=address)
     await asyncio.wait([stop, gate.schedulers], return_when=asyncio.FIRST_COMPLETED)
     reporter: ReportFeed | None = None
@@ -164,7 +178,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
         )
         reporter.start(list(gate.schedulers.result()))
         if not waits:  # ready once probed and reporting, as it was started to be
-            runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=True)
+            runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=True, **announced)
         tasks.append(asyncio.ensure_future(reporter.feed_forever()))
         await asyncio.wait([stop, tasks[-1]], return_when=asyncio.FIRST_COMPLETED)
     log.info("agent.stopping", site=args.site)
@@ -176,6 +190,8 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
         await asyncio.to_thread(reporter.stop)
     await server.stop(args.timings.shutdown_grace_s)
     await service.close()
+    if metrics is not None:
+        await metrics.cleanup()
     return 0 if stopped else 1
 
 

@@ -18,6 +18,7 @@ class DeliveredRate:
     def __init__(self, window_s: float = WINDOW_S) -> None:
         self.window_s = window_s
         self.total = 0  # output tokens relayed since the agent started
+        self.last_rate = 0.0  # what `sample` last said
         self._marks: deque[tuple[float, int]] = deque([(time.monotonic(), 0)])
 
     def add(self, tokens: int) -> None:
@@ -31,4 +32,5 @@ class DeliveredRate:
         while len(marks) > 2 and now - marks[1][0] >= self.window_s:
             marks.popleft()
         t0, n0 = marks[0]
-        return (self.total - n0) / (now - t0) if now > t0 else 0.0
+        self.last_rate = (self.total - n0) / (now - t0) if now > t0 else 0.0
+        return self.last_rate

@@ -22,6 +22,7 @@ from core.work import expected_output_tokens
 from nodes.agent import sglang, worker_stream
 from nodes.agent.delivered import DeliveredRate
 from nodes.agent.join import JoinGate
+from nodes.agent.metrics import AgentMetrics
 from nodes.agent.pool import FAILURES_TO_UNHEALTHY, NoHealthyWorker, Worker, WorkerPool
 from nodes.agent.relay import RelayCall, Relayed
 
@@ -102,6 +103,7 @@ class SiteAgentService(wire.SiteAgentServicer):
         self.address = address  # what the site registers: where the gateways dial it
         self.ledger = _Ledger()
         self.delivered = DeliveredRate()
+        self.metrics = AgentMetrics(site, pool, self.delivered)
         self._calls: dict[worker_stream.WorkerCall, Worker] = {}  # to workers, for the watcher
         self._held: dict[Relayed, _Held] = {}  # generations at a worker: what they hold in the ledger
         self._aborts: set[asyncio.Future[None]] = set()  # keep them alive until they finish
@@ -110,6 +112,7 @@ class SiteAgentService(wire.SiteAgentServicer):
         """Starts and cancels generations as the gateway asks, until the call ends; every
         generation still running then is cancelled (the gateway is gone)."""
         await self.guard.admit(context, "Generate")
+        self.metrics.generate_calls.inc()
         relay = RelayCall(context.write, self._sent, self.timings.coalesce_s)
         writer = asyncio.ensure_future(relay.write_forever())
         running: dict[int, asyncio.Task[None]] = {}
@@ -122,10 +125,12 @@ class SiteAgentService(wire.SiteAgentServicer):
                     await unreadable.abort(context, pb)
                 command = wire.generate_command_from_pb(pb)
                 for stream, why in command.refused:
+                    self.metrics.finished["refused"]()
                     Relayed(relay, stream, False).fail(wire.StreamError.REJECTED, why)
                 for stream, req in command.starts:
                     record = Relayed(relay, stream, req.every_event)
                     if stream in running or len(running) >= MAX_STREAMS_PER_CALL:
+                        self.metrics.finished["refused"]()
                         record.fail(wire.StreamError.REJECTED, f"stream {stream} is in use, or too many on this call")
                         continue
                     task = asyncio.ensure_future(self._generate(req, record))
@@ -158,18 +163,22 @@ class SiteAgentService(wire.SiteAgentServicer):
         max_new = req.sampling_params.get("max_new_tokens")
         expected = expected_output_tokens(max_new if isinstance(max_new, int) else 0)
         bound = log.bind(request_id=req.request_id, site=self.site)
+        outcome = "failed"
         try:
             for attempt in range(1, CONNECT_ATTEMPTS + 1):
                 worker = await self._acquire(expected)
                 try:
                     await self._relay(req, worker, expected, record)
+                    outcome = "completed"
                     return
                 except sglang.WorkerUnreachable as exc:
                     # The worker never answered: another one takes the request, unseen by the client.
+                    self.metrics.worker_unreachable.inc()
                     bound.warning("generate.worker_unreachable", attempt=attempt, error=str(exc))
                     if attempt == CONNECT_ATTEMPTS:
                         raise
         except sglang.WorkerRejected as exc:
+            outcome = "refused"
             record.fail(wire.StreamError.REJECTED, str(exc))
         except sglang.WorkerFailed as exc:
             # A worker broke, not the site: the gateway may send the request (or its
@@ -178,14 +187,22 @@ class SiteAgentService(wire.SiteAgentServicer):
             record.fail(wire.StreamError.WORKER_FAILED, f"site {self.site}: {exc}")
         except SiteFailed as exc:
             record.fail(wire.StreamError.SITE_FAILED, f"site {self.site}: {exc}")
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.metrics.finished[outcome]()
 
     async def _acquire(self, expected: int) -> Worker:
         """A worker slot for a request expected to produce `expected` tokens, counted in the ledger
         while it waits and runs; SiteFailed if the site has no healthy worker or no slot in time."""
         self.ledger.arrive(expected)
+        started = time.monotonic()
         try:
             async with asyncio.timeout(self.timings.first_token_timeout_s):
-                return await self.pool.acquire()
+                worker = await self.pool.acquire()
+            self.metrics.queue_wait.observe(time.monotonic() - started)
+            return worker
         except BaseException as exc:
             self.ledger.leave(expected)
             if isinstance(exc, NoHealthyWorker):
