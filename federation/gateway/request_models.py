@@ -273,6 +273,7 @@ class GenerateRequest(BaseModel):
     custom_logit_processor: None = None
     token_ids_logprob: None = None
     return_hidden_states: Literal[False] | None = None
+    return_routed_experts: Literal[False] | None = None  # bench_serving sends false
     log_metrics: bool | None = None  # the sglang-router sets it; nothing depends on it
 
 
