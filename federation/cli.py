@@ -32,7 +32,7 @@ from core.config import ConfigError, SiteConfig, load
 from core.gpus import PROFILES
 from core.policy import POLICIES
 from core.processes import StartFailed, free_port_block
-from federation import admin, control, fuzz
+from federation import admin, control, fuzz, status_view
 from federation.bench import run as bench
 from federation.drills import run as drills
 from federation.embedded import Federation
@@ -255,69 +255,21 @@ def _run_pending(jobs: queue.Queue, wait_s: float) -> None:
         done.set_result({"error": str(exc)})
 
 
-SITE_COLUMNS = (
-    "name",
-    "region",
-    "gpu",
-    "gpus",
-    "state",
-    "capacity_tok_s",
-    "capacity_evidence",
-    "prior_capacity_tok_s",
-    "healthy_workers",
-    "total_workers",
-    "slots",
-    "admit_window",
-    "outstanding_requests",
-    "queued_requests",
-    "routed_requests",
-)
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     config = load(args.config)
     addresses = args.scheduler or list(config.scheduler_addresses)
     state, replicas = admin.replicas_state(addresses, _operator(args))
     if state is None:
         gateway = admin.gateway_health(config.gateway_url)
-        print(f"fedctl: no scheduler replica reachable ({', '.join(addresses)})", file=sys.stderr)
-        if gateway.get("status") == "degraded":
-            print("fedctl: degraded: the gateway routes from the last state it saw", file=sys.stderr)
+        for line in status_view.unreachable_lines(addresses, gateway):
+            print(f"fedctl: {line}", file=sys.stderr)
         if args.json:
-            print(json.dumps({"schedulers": replicas, "degraded": True, "gateway": gateway}, indent=2))
+            print(json.dumps(status_view.unreachable_body(replicas, gateway), indent=2))
         return 1
-    rows = [
-        {
-            "name": s.name,
-            "region": s.region,
-            "gpu": s.gpu,
-            "gpus": s.gpus,
-            "state": s.status.label,
-            "capacity_tok_s": round(s.capacity_tok_s, 1),
-            "capacity_evidence": s.capacity_evidence,
-            "prior_capacity_tok_s": round(s.prior_capacity_tok_s, 1),
-            "healthy_workers": s.healthy_workers,
-            "total_workers": s.total_workers,
-            "slots": s.slots,
-            "admit_window": s.admit_window,
-            "outstanding_requests": s.outstanding_requests,
-            "queued_requests": s.queued_requests,
-            "routed_requests": s.routed_requests,
-        }
-        for s in state.sites
-    ]
-    refused = [{"name": r.name, "reason": r.reason, "at_unix_s": round(r.at_unix_s, 3)} for r in state.refused]
     if args.json:
-        body = {"model": state.model, "sites": rows, "refused": refused, "schedulers": replicas, "degraded": False}
-        print(json.dumps(body, indent=2))
+        print(json.dumps(status_view.state_body(state, replicas), indent=2))
         return 0
-    widths = {c: max([len(c), *(len(str(r[c])) for r in rows)]) for c in SITE_COLUMNS}
-    print("  ".join(c.ljust(widths[c]) for c in SITE_COLUMNS))
-    for r in rows:
-        print("  ".join(str(r[c]).ljust(widths[c]) for c in SITE_COLUMNS))
-    for r in state.refused:
-        print(f"refused {r.name} at {time.strftime('%H:%M:%S', time.localtime(r.at_unix_s))}: {r.reason}")
-    print("schedulers: " + ", ".join(f"{a} {status}" for a, status in replicas.items()))
+    print(status_view.state_table(state, replicas))
     return 0
 
 
