@@ -1,7 +1,7 @@
 """What `fedctl status` shows of the federation: the sites as a table or as a JSON object.
 
-`fedctl status` prints it; the rows and columns live here so that every view of the status
-reads the same ones.
+`fedctl status` prints it once and `fedctl status --watch` at every state a replica pushes, so
+both read the same rows in the same columns; the watch adds a timestamp to each frame.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ SITE_COLUMNS = (
     "queued_requests",
     "routed_requests",
 )
+
+CLEAR_SCREEN = "\x1b[2J\x1b[H"  # erase the terminal, cursor to its top left: the next frame replaces this one
 
 
 def site_rows(state: wire.FederationState) -> list[dict]:
@@ -77,8 +79,12 @@ def state_table(state: wire.FederationState, replicas: Mapping[str, str]) -> str
     lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in SITE_COLUMNS) for r in rows]
     for r in state.refused:
         lines.append(f"refused {r.name} at {time.strftime('%H:%M:%S', time.localtime(r.at_unix_s))}: {r.reason}")
-    lines.append("schedulers: " + ", ".join(f"{a} {status}" for a, status in replicas.items()))
+    lines.append(schedulers_line(replicas))
     return "\n".join(lines)
+
+
+def schedulers_line(replicas: Mapping[str, str]) -> str:
+    return "schedulers: " + ", ".join(f"{a} {status}" for a, status in replicas.items())
 
 
 def unreachable_lines(addresses: Sequence[str], gateway: dict) -> list[str]:
@@ -87,3 +93,12 @@ def unreachable_lines(addresses: Sequence[str], gateway: dict) -> list[str]:
     if gateway.get("status") == "degraded":
         lines.append("degraded: the gateway routes from the last state it saw")
     return lines
+
+
+def frame(text: str, at_unix_s: float, terminal: bool, first: bool) -> str:
+    """One update of `fedctl status --watch`, timestamped: on a terminal it replaces the last;
+    elsewhere (a pipe, a file) the updates follow each other, a blank line apart."""
+    stamped = f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(at_unix_s))}\n{text}"
+    if terminal:
+        return CLEAR_SCREEN + stamped
+    return stamped if first else "\n" + stamped
