@@ -1,5 +1,7 @@
-"""The Grafana board in monitoring/ asks only for what the processes serve: every metric a panel
-queries is a family of docs/METRICS.md, under Prometheus' naming rules.
+"""The Grafana board and the Prometheus scrape config in monitoring/ ask only for what the
+processes serve: every metric a panel queries is a family of docs/METRICS.md, under Prometheus'
+naming rules; every scrape job reaches a process of docker-compose.yml on the port where it
+serves /metrics, checking the name on that process's certificate and presenting an operator's.
 
 The panels' PromQL is read with `promql-parser` (GreptimeDB's Rust PromQL parser, from PyPI),
 not with a regex: the metric names are those of the vector selectors in the parsed expression,
@@ -12,12 +14,17 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import promql_parser
+import yaml
 
+from core import pki
 from core.processes import PROJECT_ROOT
+from tests.test_compose import _certificates, _compose, _federation
 
 DASHBOARD = PROJECT_ROOT / "monitoring/grafana/dashboards/federation.json"
+SCRAPE_CONFIG = PROJECT_ROOT / "monitoring/prometheus.yml"
 METRICS_DOC = PROJECT_ROOT / "docs/METRICS.md"
 GRAFANA_RANGE = re.compile(r"\$(\{__(rate_interval|interval|range)\}|__(rate_interval|interval|range)\b)")
 FAMILY_ROW = re.compile(r"^\| `(federation_\w+)` \| (counter|gauge|histogram) \|", re.MULTILINE)
@@ -85,3 +92,60 @@ def test_every_panel_queries_documented_families() -> None:
         assert metrics, title
         assert None not in metrics, f"{title}: a selector that names no metric"
         assert metrics <= documented, f"{title}: {sorted(metrics - documented)} not in docs/METRICS.md"
+
+
+def _flag(command: list[str], name: str) -> str | None:
+    return command[command.index(name) + 1] if name in command else None
+
+
+def _metrics_port(command: list[str]) -> int | None:
+    """Where a service of the compose file serves /metrics (docs/METRICS.md): a scheduler's or an
+    agent's on --metrics-port; the gateway's on --admin-port when given, else its API port."""
+    module = command[2]
+    if module == "federation.gateway":
+        return int(_flag(command, "--admin-port") or _flag(command, "--port") or 0) or None
+    if module in ("scheduler", "nodes.agent"):
+        port = _flag(command, "--metrics-port")
+        return int(port) if port else None
+    return None
+
+
+def _mounted_file(service: dict, path: str, root: Path) -> Path:
+    """The file on the host that `service` mounts at `path` (with the compose file's `.` as `root`)."""
+    for volume in service["volumes"]:
+        host, container, _ = volume.split(":")
+        if container == path:
+            return root / host.removeprefix("./")
+    raise AssertionError(f"nothing mounted at {path}")
+
+
+def test_every_scrape_job_reaches_a_process_where_it_serves_metrics(tmp_path: Path) -> None:
+    """The scrape targets are exactly the compose file's processes that serve /metrics, each at
+    its service name and metrics port; the HTTPS ones check the name on the certificate that
+    service mounts as its own and present files Prometheus mounts: the CA's certificate and an
+    operator's certificate and key. Only the gateway is scraped over plain HTTP."""
+    _certificates(tmp_path)
+    compose = _compose()
+    services, prometheus = _federation(compose), compose["services"]["prometheus"]
+    scrape = yaml.safe_load(SCRAPE_CONFIG.read_text())
+    assert _mounted_file(prometheus, "/etc/prometheus/prometheus.yml", PROJECT_ROOT) == SCRAPE_CONFIG
+    serving = {f"{name}:{_metrics_port(s['command'])}" for name, s in services.items() if _metrics_port(s["command"])}
+    links = {name for name, s in services.items() if s["command"][2] == "federation.linkproxy"}
+    assert {s.split(":")[0] for s in serving} == set(services) - links  # every scheduler replica, agent, gateway
+    scraped = set()
+    for job in scrape["scrape_configs"]:
+        targets = [t for static in job["static_configs"] for t in static["targets"]]
+        scraped |= set(targets)
+        for target in targets:
+            assert target in serving, f"{job['job_name']}: {target} is no process's /metrics"
+            service = services[target.split(":")[0]]
+            if job.get("scheme") != "https":
+                assert service["command"][2] == "federation.gateway", f"{job['job_name']}: {target} over plain HTTP"
+                continue
+            tls = job["tls_config"]
+            own = pki.holder(_mounted_file(service, "/tls/own.crt", tmp_path).read_bytes())
+            assert tls["server_name"] == own.server_name, target
+            assert _mounted_file(prometheus, tls["ca_file"], tmp_path) == tmp_path / "federation-ca" / pki.CA_CERT
+            assert pki.holder(_mounted_file(prometheus, tls["cert_file"], tmp_path).read_bytes()) == pki.OPERATOR
+            assert _mounted_file(prometheus, tls["key_file"], tmp_path).name == f"{pki.OPERATOR.common_name}.key"
+    assert scraped == serving
