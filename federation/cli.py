@@ -2,6 +2,7 @@
 
 fedctl up [--config FILE] [--port 8080] [--speed X]   the embedded default, or FILE's
 fedctl status [--json] [--scheduler HOST:PORT]         the sites as the schedulers see them
+fedctl status --watch [--interval-s 1] [--json]        the same, refreshed as the schedulers push it, until Ctrl-C
 fedctl site drain|undrain|remove NAME                  stop new work at a site, resume it, drop it
 fedctl site add --name N --region R --gpu G --gpus N --emulate   a new site joins `fedctl up`
 fedctl site add --name N --region R --gpu G --gpus N --agent HOST:PORT   a running agent joins
@@ -15,6 +16,7 @@ fedctl fuzz [--http N] [--grpc N] [--json FILE]        generated hostile request
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import queue
@@ -32,7 +34,7 @@ from core.config import ConfigError, SiteConfig, load
 from core.gpus import PROFILES
 from core.policy import POLICIES
 from core.processes import StartFailed, free_port_block
-from federation import admin, control, fuzz
+from federation import admin, control, fuzz, status_view, watch
 from federation.bench import run as bench
 from federation.drills import run as drills
 from federation.embedded import Federation
@@ -68,7 +70,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the run)",
     )
     status = sub.add_parser("status", help="list the sites")
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help="a JSON object (with --watch: one per line, per update)")
+    status.add_argument("--watch", action="store_true", help="refresh as the schedulers push their state, until Ctrl-C")
+    status.add_argument(
+        "--interval-s", type=runtime.positive_float, default=1.0, help="(--watch) how often the state is pushed"
+    )
     _add_target(status)
     site = sub.add_parser("site", help="add, drain, undrain or remove a site").add_subparsers(
         dest="action", required=True
@@ -255,70 +261,61 @@ def _run_pending(jobs: queue.Queue, wait_s: float) -> None:
         done.set_result({"error": str(exc)})
 
 
-SITE_COLUMNS = (
-    "name",
-    "region",
-    "gpu",
-    "gpus",
-    "state",
-    "capacity_tok_s",
-    "capacity_evidence",
-    "prior_capacity_tok_s",
-    "healthy_workers",
-    "total_workers",
-    "slots",
-    "admit_window",
-    "outstanding_requests",
-    "queued_requests",
-    "routed_requests",
-)
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     config = load(args.config)
     addresses = args.scheduler or list(config.scheduler_addresses)
+    if args.watch:
+        return _watch_status(args, addresses, config.gateway_url)
     state, replicas = admin.replicas_state(addresses, _operator(args))
     if state is None:
         gateway = admin.gateway_health(config.gateway_url)
-        print(f"fedctl: no scheduler replica reachable ({', '.join(addresses)})", file=sys.stderr)
-        if gateway.get("status") == "degraded":
-            print("fedctl: degraded: the gateway routes from the last state it saw", file=sys.stderr)
+        for line in status_view.unreachable_lines(addresses, gateway):
+            print(f"fedctl: {line}", file=sys.stderr)
         if args.json:
-            print(json.dumps({"schedulers": replicas, "degraded": True, "gateway": gateway}, indent=2))
+            print(json.dumps(status_view.unreachable_body(replicas, gateway), indent=2))
         return 1
-    rows = [
-        {
-            "name": s.name,
-            "region": s.region,
-            "gpu": s.gpu,
-            "gpus": s.gpus,
-            "state": s.status.label,
-            "capacity_tok_s": round(s.capacity_tok_s, 1),
-            "capacity_evidence": s.capacity_evidence,
-            "prior_capacity_tok_s": round(s.prior_capacity_tok_s, 1),
-            "healthy_workers": s.healthy_workers,
-            "total_workers": s.total_workers,
-            "slots": s.slots,
-            "admit_window": s.admit_window,
-            "outstanding_requests": s.outstanding_requests,
-            "queued_requests": s.queued_requests,
-            "routed_requests": s.routed_requests,
-        }
-        for s in state.sites
-    ]
-    refused = [{"name": r.name, "reason": r.reason, "at_unix_s": round(r.at_unix_s, 3)} for r in state.refused]
     if args.json:
-        body = {"model": state.model, "sites": rows, "refused": refused, "schedulers": replicas, "degraded": False}
-        print(json.dumps(body, indent=2))
+        print(json.dumps(status_view.state_body(state, replicas), indent=2))
         return 0
-    widths = {c: max([len(c), *(len(str(r[c])) for r in rows)]) for c in SITE_COLUMNS}
-    print("  ".join(c.ljust(widths[c]) for c in SITE_COLUMNS))
-    for r in rows:
-        print("  ".join(str(r[c]).ljust(widths[c]) for c in SITE_COLUMNS))
-    for r in state.refused:
-        print(f"refused {r.name} at {time.strftime('%H:%M:%S', time.localtime(r.at_unix_s))}: {r.reason}")
-    print("schedulers: " + ", ".join(f"{a} {status}" for a, status in replicas.items()))
+    print(status_view.state_table(state, replicas))
     return 0
+
+
+def _watch_status(args: argparse.Namespace, addresses: list[str], gateway_url: str) -> int:
+    """`fedctl status --watch`: every state the watched replica pushes, until Ctrl-C (exit 0)."""
+    operator = _operator(args)
+    try:
+        asyncio.run(_print_updates(args, addresses, operator, gateway_url))
+    except admin.Refused as exc:
+        print(f"fedctl: refused: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how a watch ends
+    return 0
+
+
+async def _print_updates(args: argparse.Namespace, addresses: list[str], operator: mtls.Tls, gateway_url: str) -> None:
+    terminal, first = sys.stdout.isatty(), True
+    async for update in watch.updates(addresses, operator, args.interval_s):
+        at_unix_s = time.time()
+        gateway = {} if update.state else await asyncio.to_thread(admin.gateway_health, gateway_url)
+        if args.json:
+            body = (
+                status_view.state_body(update.state, update.replicas)
+                if update.state
+                else status_view.unreachable_body(update.replicas, gateway)
+            )
+            print(json.dumps({"at_unix_s": round(at_unix_s, 3), **body}), flush=True)
+            continue
+        text = (
+            status_view.state_table(update.state, update.replicas)
+            if update.state
+            else "\n".join(
+                [*status_view.unreachable_lines(addresses, gateway), status_view.schedulers_line(update.replicas)]
+            )
+        )
+        print(status_view.frame(text, at_unix_s, terminal, first), flush=True)
+        first = False
 
 
 def cmd_site_add(args: argparse.Namespace) -> int:
