@@ -3,6 +3,7 @@
 fedctl up [--config FILE] [--port 8080] [--speed X]   the embedded default, or FILE's
 fedctl status [--json] [--scheduler HOST:PORT]         the sites as the schedulers see them
 fedctl status --watch [--interval-s 1] [--json]        the same, refreshed as the schedulers push it, until Ctrl-C
+fedctl dashboard [--port 8070] [--gateway URL]         the federation live in a browser (http://127.0.0.1:8070)
 fedctl site drain|undrain|remove NAME                  stop new work at a site, resume it, drop it
 fedctl site add --name N --region R --gpu G --gpus N --emulate   a new site joins `fedctl up`
 fedctl site add --name N --region R --gpu G --gpus N --agent HOST:PORT   a running agent joins
@@ -36,6 +37,7 @@ from core.policy import POLICIES
 from core.processes import StartFailed, free_port_block
 from federation import admin, control, fuzz, status_view, watch
 from federation.bench import run as bench
+from federation.dashboard import server as dashboard
 from federation.drills import run as drills
 from federation.embedded import Federation
 from federation.gateway import keys
@@ -76,6 +78,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--interval-s", type=runtime.positive_float, default=1.0, help="(--watch) how often the state is pushed"
     )
     _add_target(status)
+    board = sub.add_parser("dashboard", help="serve a live web page of the federation (sites, shares, tokens/s)")
+    board.add_argument("--port", type=runtime.non_negative_int, default=8070, help="its port (0: any free one)")
+    board.add_argument(
+        "--bind", default="127.0.0.1", help="the address it listens on (default: this machine only; others are warned)"
+    )
+    board.add_argument(
+        "--gateway", metavar="URL", default=None, help="the gateway whose /metrics it scrapes (default: the config's)"
+    )
+    _add_target(board)
     site = sub.add_parser("site", help="add, drain, undrain or remove a site").add_subparsers(
         dest="action", required=True
     )
@@ -318,6 +329,17 @@ async def _print_updates(args: argparse.Namespace, addresses: list[str], operato
         first = False
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    """Serve the page until Ctrl-C; it watches the schedulers `fedctl status` asks, with the
+    same operator certificate."""
+    config = load(args.config)
+    gateway = (args.gateway or config.gateway_url).rstrip("/").removesuffix("/metrics").removesuffix("/v1")
+    settings = dashboard.DashboardConfig(
+        config, tuple(_schedulers(args)), _operator(args), gateway, args.bind, args.port
+    )
+    return dashboard.main(settings)
+
+
 def cmd_site_add(args: argparse.Namespace) -> int:
     """--emulate: ask the running `fedctl up` of this config to start the site; it answers once
     the site is ready at every scheduler replica. --agent: tell that agent to join the
@@ -474,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_ca(args)
         if args.command == "keys":
             return cmd_keys(args)
+        if args.command == "dashboard":
+            return cmd_dashboard(args)
         return cmd_up(args) if args.command == "up" else cmd_status(args)
     except (ConfigError, pki.PkiError, credential.SecretFileError) as exc:
         print(f"fedctl: {exc}", file=sys.stderr)

@@ -180,7 +180,6 @@ async def _scrape(http: aiohttp.ClientSession, url: str, **tls: object) -> set[s
     return {name for family in text_string_to_metric_families(text) for name in served_as(family.name, family.type)}
 
 
-@pytest.mark.xfail(strict=False, reason="scheduler/agent metrics land in the same change")
 @pytest.mark.timeout(120)
 async def test_every_queried_metric_is_in_some_process_metrics(tmp_path: Path) -> None:
     """On a live federation, after one request, every metric a panel queries is served by the

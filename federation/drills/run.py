@@ -43,6 +43,7 @@ from federation.bench.client import Result
 from federation.bench.run import bench_config
 from federation.bench.workload import MLPERF_LIKE_PROMPTS, LengthDistribution, WorkloadSpec
 from federation.drills import timeline
+from federation.drills.dashboard_marks import DashboardMarks
 from federation.drills.faults import (
     BROWNOUT_FACTOR,
     SCENARIOS,
@@ -178,6 +179,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
+    p.add_argument(
+        "--dashboard",
+        metavar="URL",
+        default=None,
+        help="a running `fedctl dashboard` (http://127.0.0.1:8070) to mark the fault and its heal on",
+    )
 
 
 def drill_config(args: argparse.Namespace) -> Config:
@@ -301,6 +308,7 @@ def _drill(target: Target, args: argparse.Namespace, site: str, samples) -> dict
     if isinstance(fault, SiteBrownout):
         fault.slowdown = args.slowdown
     heals = fault.heals and (target.federation is not None or bool(target.heal_command))
+    marks = DashboardMarks(args.dashboard)
     total_s = args.warmup_s + args.before_s + args.after_s
     outcome: dict[str, Any] = {}
 
@@ -324,6 +332,7 @@ def _drill(target: Target, args: argparse.Namespace, site: str, samples) -> dict
     print(f"fedctl drill: {args.scenario} at {site}", file=sys.stderr, flush=True)
     fault_at = time.monotonic()
     fault.inject()  # a DrillError leaves the load and the sampler to die with the process (daemons)
+    marks.mark(f"{args.scenario} ({site})")
     polled_s = poll_until(fault.detected, DETECTION_TIMEOUT_S)
     detection_s = _by_schedulers_clock(fault, fault_at, polled_s)
     heal_at = None
@@ -331,7 +340,9 @@ def _drill(target: Target, args: argparse.Namespace, site: str, samples) -> dict
         time.sleep(max(0.0, fault_at + args.heal_after_s - time.monotonic()))
         heal_at = time.monotonic()
         fault.heal()
+        marks.mark(SECOND_MARKS.get(args.scenario, "heal"))
     thread.join()
+    marks.wait()
     samples = sampler.stop()
     counters_after = gateway_counters(target.metrics_url) if target.gateway_alive() else counters_before
     results: list[Result] = outcome["results"]
