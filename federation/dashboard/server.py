@@ -15,7 +15,7 @@ import asyncio
 import ipaddress
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,9 @@ from aiohttp import web
 from core import logs, runtime, wire
 from core.config import Config
 from core.mtls import Tls
-from federation.dashboard import gateway_scrape, marks, watch
+from federation import watch
+from federation.admin import Refused
+from federation.dashboard import gateway_scrape, marks
 from federation.dashboard.board import Board, Event
 from federation.dashboard.gateway_scrape import GatewaySample
 
@@ -87,6 +89,27 @@ BOARD_KEY = web.AppKey("board", Board)
 PAGES_KEY = web.AppKey("pages", Pages)
 
 
+WATCH_PUSH_S = 0.25  # the watched replica pushes its state this often: the page sees a drain within a second
+
+
+async def _follow(
+    dashboard: DashboardConfig,
+    on_state: Callable[[wire.FederationState, str], None],
+    on_lost: Callable[[], None],
+) -> None:
+    """The schedulers' pushes, from one replica at a time (federation/watch.py), until cancelled."""
+    try:
+        async for update in watch.updates(dashboard.schedulers, dashboard.operator, WATCH_PUSH_S):
+            if update.state is None:
+                on_lost()
+                continue
+            watched = next((a for a, how in update.replicas.items() if how == "watching"), "")
+            on_state(update.state, watched)
+    except Refused as exc:
+        log.error("dashboard.refused", error=str(exc))
+        on_lost()
+
+
 def build_app(dashboard: DashboardConfig) -> web.Application:
     middlewares = [_loopback_only] if _is_loopback(dashboard.bind) else []
     app = web.Application(middlewares=middlewares, client_max_size=marks.MAX_MARK_BYTES)
@@ -117,7 +140,7 @@ def build_app(dashboard: DashboardConfig) -> web.Application:
 
     async def background(app: web.Application) -> AsyncIterator[None]:
         tasks = [
-            asyncio.create_task(watch.follow(dashboard.schedulers, dashboard.operator, on_state, on_lost)),
+            asyncio.create_task(_follow(dashboard, on_state, on_lost)),
             asyncio.create_task(
                 gateway_scrape.scrape_forever(dashboard.gateway_url + "/metrics", on_sample, on_unreachable)
             ),
