@@ -22,8 +22,13 @@ import openai
 import pytest
 
 from core import tokens
+from core.config import load
+from core.mtls import INSECURE
 from core.processes import PROJECT_ROOT, Child, free_port_block, start_python
+from federation import control
+from federation.admin import fetch_state
 from federation.drills.faults import poll_until
+from federation.throwaway_ca import operator_tls
 from tests.test_worker_state import metric
 
 MODEL = "openai/gpt-oss-120b"
@@ -99,6 +104,14 @@ def _status(path: Path) -> dict:
         check=True,
     )
     return json.loads(out.stdout)
+
+
+def _routed(path: Path) -> int:
+    """Requests the schedulers have routed, asked in-process (a `fedctl status` costs ~2 s of
+    start-up: the bad-request cases ask twice each)."""
+    config = load(path)
+    state = fetch_state(config.scheduler_addresses[0], operator_tls(control.tls_dir(config)) or INSECURE)
+    return sum(s.routed_requests for s in state.sites)
 
 
 async def _worker_totals(http: aiohttp.ClientSession, ports: dict, *samples: tuple[str, dict]) -> float:
@@ -320,7 +333,7 @@ async def test_bad_requests_never_reach_a_worker(federation, http: aiohttp.Clien
     """Bad chat requests get an OpenAI error object with a 4xx status; no site is asked and no
     worker sees a request."""
     fed, path, ports = federation
-    routed = sum(s["routed_requests"] for s in _status(path)["sites"])
+    routed = _routed(path)
     seen = await _worker_totals(http, ports, SERVED, ABORTED)
     kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
     async with http.post(fed.ready["endpoint"] + "/chat/completions", **kwargs) as resp:
@@ -330,7 +343,7 @@ async def test_bad_requests_never_reach_a_worker(federation, http: aiohttp.Clien
     extra = set(body) - {"model", "messages"} if isinstance(body, dict) else set()
     if len(extra) == 1:
         assert error["param"] == extra.pop(), error  # the field refused is named, not ignored
-    assert sum(s["routed_requests"] for s in _status(path)["sites"]) == routed
+    assert _routed(path) == routed
     assert await _worker_totals(http, ports, SERVED, ABORTED) == seen
 
 
@@ -368,7 +381,7 @@ async def test_bad_generate_requests_get_400(federation, http: aiohttp.ClientSes
     the field, before any site is asked: SGLang's fields for what is not served here (images,
     LoRA adapters) are refused, not ignored."""
     fed, path, _ = federation
-    routed = sum(s["routed_requests"] for s in _status(path)["sites"])
+    routed = _routed(path)
     async with http.post(fed.ready["endpoint"].removesuffix("/v1") + "/generate", json=body) as resp:
         assert resp.status == 400
         error = (await resp.json())["error"]
@@ -376,7 +389,7 @@ async def test_bad_generate_requests_get_400(federation, http: aiohttp.ClientSes
     named = set(body) - {"text", "input_ids"} or {None}
     if len(named) == 1 and "text" in body:
         assert error["param"] == named.pop(), error
-    assert sum(s["routed_requests"] for s in _status(path)["sites"]) == routed
+    assert _routed(path) == routed
 
 
 async def test_generate_takes_what_sglang_and_its_router_send(federation, http: aiohttp.ClientSession) -> None:
@@ -418,13 +431,13 @@ async def test_generate_takes_what_sglang_and_its_router_send(federation, http: 
 )
 async def test_bad_completions_are_refused_naming_the_field(federation, http: aiohttp.ClientSession, fields, param):
     fed, path, _ = federation
-    routed = sum(s["routed_requests"] for s in _status(path)["sites"])
+    routed = _routed(path)
     body = {"model": MODEL, "prompt": "Once upon a time", **fields}
     async with http.post(fed.ready["endpoint"] + "/completions", json=body) as resp:
         assert resp.status == 400
         error = (await resp.json())["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
-    assert sum(s["routed_requests"] for s in _status(path)["sites"]) == routed
+    assert _routed(path) == routed
 
 
 async def test_a_client_request_id_cannot_abort_anyone_else(federation, http: aiohttp.ClientSession) -> None:
@@ -462,13 +475,13 @@ async def test_latency_mode_refuses_what_no_site_can_start_within_its_budget(
     and no site is asked to run it; a budget a site can meet is served; a malformed one is 400."""
     fed, path, _ = federation
     base = fed.ready["endpoint"].removesuffix("/v1")
-    before = sum(s["routed_requests"] for s in _status(path)["sites"])
+    before = _routed(path)
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 5}
     async with http.post(base + "/v1/completions", json=body, headers={"X-TTFT-Budget-Ms": "0.001"}) as resp:
         refused = await resp.json()
         assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 1
     assert refused["error"]["code"] == "ttft_budget_unmet"
-    assert sum(s["routed_requests"] for s in _status(path)["sites"]) == before
+    assert _routed(path) == before
     async with http.post(base + "/v1/completions", json=body, headers={"X-TTFT-Budget-Ms": "5000"}) as resp:
         assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] >= 1
     async with http.post(base + "/v1/completions", json=body, headers={"X-TTFT-Budget-Ms": "soon"}) as resp:
