@@ -18,6 +18,7 @@ from core import wire
 from core.credential import write_secret
 from core.pki import Identity, Role
 from core.processes import PROJECT_ROOT, Child, free_port_block, start_python
+from federation.admin import fetch_state
 from federation.drills.faults import poll_until
 from federation.embedded import Federation
 from nodes.emulator.launch import launch
@@ -47,7 +48,11 @@ def _refused_for(fed: Federation, path: Path, *workers: str, credential: Path | 
     agent = _agent(fed, *workers, credential=credential)
     flags = () if fed.ca else ("--insecure",)
     try:
-        assert poll_until(lambda: f"refused {NEWCOMER}" in _status(path, *flags).stdout, 15.0) is not None
+
+        def refused() -> bool:  # asked in-process: a `fedctl status` costs ~2 s to start
+            return any(r.name == NEWCOMER for r in fetch_state(fed.config.scheduler_addresses[0], fed.operator).refused)
+
+        assert poll_until(refused, 15.0) is not None
         status = _status(path, *flags).stdout
     finally:
         agent.stop(10)
