@@ -8,6 +8,7 @@ from core.forks import keep_grpc_out_of_forks
 keep_grpc_out_of_forks()  # before anything imports grpc: the tests start processes while they use it
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -22,6 +23,12 @@ from federation.embedded import Federation
 from nodes.emulator.launch import EmulatorProcess as Emulator
 from nodes.emulator.launch import launch
 from tests.test_federation import _config
+
+# A shell starts background jobs with SIGINT ignored, and children inherit that: a `fedctl`
+# started by these tests would then shrug off the Ctrl-C the tests send it. The tests' own
+# processes take Ctrl-C as an operator's terminal delivers it, however the suite was started.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SITES = [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")]
 FAST = "20"  # emulated GPUs 20x faster than real ones: tests finish in seconds
