@@ -166,6 +166,7 @@ class GenerateRequest:
     every_event: bool = False  # relay each worker event as its own delta, at once (see the proto)
     logprobs: bool = False  # each output token's log probability, asked for
     top_logprobs: int = 0  # and this many most likely tokens at each position
+    traceparent: str = ""  # the gateway's attempt span, W3C trace context ("": not traced; see the proto)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +268,7 @@ def _generate_request_to_pb(stream: int, r: GenerateRequest) -> pb.GenerateReque
         every_event=r.every_event,
         logprobs=r.logprobs,
         top_logprobs=r.top_logprobs,
+        traceparent=r.traceparent,
     )
 
 
@@ -366,7 +368,15 @@ def generate_command_from_pb(m: pb.GenerateCommand) -> GenerateCommand:
             refused.append((r.stream, f"request_id must match {REQUEST_ID.pattern}"))
             continue
         request = GenerateRequest(
-            r.request_id, r.prompt_tokens, params, r.text, tuple(r.input_ids), r.every_event, r.logprobs, r.top_logprobs
+            r.request_id,
+            r.prompt_tokens,
+            params,
+            r.text,
+            tuple(r.input_ids),
+            r.every_event,
+            r.logprobs,
+            r.top_logprobs,
+            r.traceparent,
         )
         starts.append((r.stream, request))
     return GenerateCommand(tuple(starts), tuple(m.cancel), tuple(refused))

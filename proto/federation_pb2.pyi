@@ -231,7 +231,7 @@ class SiteRef(_message.Message):
     def __init__(self, site: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "input_ids", "sampling_params_json", "prompt_tokens", "stream", "every_event", "logprobs", "top_logprobs")
+    __slots__ = ("request_id", "text", "input_ids", "sampling_params_json", "prompt_tokens", "stream", "every_event", "logprobs", "top_logprobs", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,7 @@ class GenerateRequest(_message.Message):
     EVERY_EVENT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -250,7 +251,8 @@ class GenerateRequest(_message.Message):
     every_event: bool
     logprobs: bool
     top_logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., stream: _Optional[int] = ..., every_event: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., stream: _Optional[int] = ..., every_event: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class GenerateCommand(_message.Message):
     __slots__ = ("start", "cancel")

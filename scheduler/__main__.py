@@ -14,11 +14,12 @@ import sys
 import grpc
 import structlog
 
-from core import credential, metrics_endpoint, mtls, runtime, unreadable, wire
+from core import credential, metrics_endpoint, mtls, runtime, tracing, unreadable, wire
 from core.authz import Guard
 from core.pki import SCHEDULER
 from core.policy import POLICIES
 from core.settings import SchedulerTimings, add_timings_argument
+from scheduler import spans
 from scheduler.service import SchedulerService
 
 log = structlog.get_logger("scheduler")
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    tracing.configure("scheduler")
     rtt = runtime.rtt_map(args.rtt_ms)
     service = SchedulerService(
         args.model,
@@ -63,7 +65,9 @@ async def serve(args: argparse.Namespace) -> int:
         timings=args.timings,
         guard=Guard(args.tls),
     )
-    server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS, interceptors=[unreadable.Refuse()])
+    server = grpc.aio.server(
+        options=runtime.GRPC_SERVER_OPTIONS, interceptors=[unreadable.Refuse(), *spans.interceptors()]
+    )
     wire.add_scheduler_to_server(service, server)
     address = f"{args.host}:{args.port}"
     mtls.warn_if_insecure(args.tls, log)

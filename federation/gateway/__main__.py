@@ -14,7 +14,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from core import harmony, mtls, runtime, tokens
+from core import harmony, mtls, runtime, tokens, tracing
 from core.pki import GATEWAY
 from core.policy import POLICIES
 from core.settings import GatewayTimings, add_timings_argument
@@ -118,6 +118,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    tracing.configure("gateway")
     tokens.count("warm up")  # load the tokenizer before the first request pays for it
     harmony.encoding()  # and Harmony's, for chats
     failover = FailoverConfig(retry_budget_s=args.timings.retry_budget_s, resume=not args.no_resume)

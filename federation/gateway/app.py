@@ -26,7 +26,7 @@ from core import wire
 from core.errors import BadRequest, FederationError, RateLimited, RequestTimeout, TooBusy, Unauthorized
 from core.mtls import INSECURE, Tls
 from core.settings import GatewayTimings
-from federation.gateway import admission, jobs, metrics
+from federation.gateway import admission, jobs, metrics, spans
 from federation.gateway.admission import Admission
 from federation.gateway.edge import EdgeLimits
 from federation.gateway.failover import FailoverConfig, Generation, SiteBreakers
@@ -174,6 +174,7 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         config.failover,
         out,
     )
+    traced = spans.request_started(request.headers, request.path, request_id, job.kind, received_unix_s)
     try:
         try:
             await generation.run()
@@ -201,6 +202,15 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         error = exc.message
         raise
     finally:
+        spans.request_done(
+            traced,
+            outcome,
+            site=answer.site,
+            error=error,
+            retries=generation.retries,
+            resumed=generation.resumed,
+            output_tokens=answer.completion_tokens,
+        )
         metrics.request_done(outcome, generation.retries, generation.resumed)
         metrics.observe(
             metrics.Timings(

@@ -29,7 +29,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 from core import tokens, wire
 from core.errors import NoCapacity, SiteWorkerFailed, UpstreamFailed
 from core.settings import GatewayTimings
-from federation.gateway import metrics
+from federation.gateway import metrics, spans
 from federation.gateway.jobs import Job
 from federation.gateway.schedulers import Schedulers
 from federation.gateway.upstream import SiteStream, Upstream
@@ -244,7 +244,7 @@ class Generation:
         route_request = dataclasses.replace(self.route_request, exclude_sites=tuple(sorted(exclude)))
         route, self._first_route = self._first_route or self.schedulers.route, None
         try:
-            decision = await route(route_request)
+            decision = await spans.routed(route, route_request)
             self.routed_at = self.routed_at or time.monotonic()
         except NoCapacity:
             self._tried.clear()  # every site failed it once: each may be tried again after the backoff
@@ -252,8 +252,8 @@ class Generation:
         if not self.breakers.admit(decision.site):
             self._tried.add(decision.site)
             raise UpstreamFailed(f"site {decision.site}'s circuit opened while this request was routed")
-        stream = self.upstream.start(
-            decision.site, decision.agent_address, request, partial(self._on_delta, decision.site)
+        stream = spans.start_at_site(
+            self.upstream, decision, request, partial(self._on_delta, decision.site), self._produced
         )
         sent_at = time.monotonic()
         try:

@@ -21,7 +21,7 @@ import grpc
 import structlog
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
-from core import runtime, wire
+from core import runtime, tracing, wire
 from core.errors import NoCapacity
 from core.mtls import INSECURE, Tls
 from core.pki import SCHEDULER
@@ -118,7 +118,7 @@ class Schedulers:
         (RoundTimedOut when some only ran out of time while the watch still hears one: the
         gateway's own loop is busy, not the replicas gone)."""
         message = wire.route_request_to_pb(req)
-        metadata = (("x-request-id", req.request_id),)
+        metadata = (("x-request-id", req.request_id), *tracing.outgoing())
         calls = metrics.ROUTE_CALLS.labels("dry_run" if req.dry_run else "route")
         timed_out = False
         for i in range(len(self._stubs)):

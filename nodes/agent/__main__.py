@@ -24,7 +24,7 @@ import aiohttp
 import grpc
 import structlog
 
-from core import credential, metrics_endpoint, mtls, runtime, unreadable, wire
+from core import credential, metrics_endpoint, mtls, runtime, tracing, unreadable, wire
 from core.authz import Guard
 from core.pki import Identity, Role
 from core.settings import AgentTimings, add_timings_argument
@@ -101,6 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    tracing.configure("agent", **{tracing.SITE: args.site})
     emulator: EmulatorProcess | None = None
     if args.emulate:
         emulator = await asyncio.to_thread(

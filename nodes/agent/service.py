@@ -16,10 +16,10 @@ import aiohttp
 import grpc
 import structlog
 
-from core import unreadable, wire
+from core import tracing, unreadable, wire
 from core.authz import UNGUARDED, Guard
 from core.work import expected_output_tokens
-from nodes.agent import sglang, worker_stream
+from nodes.agent import sglang, spans, worker_stream
 from nodes.agent.delivered import DeliveredRate
 from nodes.agent.join import JoinGate
 from nodes.agent.metrics import AgentMetrics
@@ -133,7 +133,7 @@ class SiteAgentService(wire.SiteAgentServicer):
                         self.metrics.finished["refused"]()
                         record.fail(wire.StreamError.REJECTED, f"stream {stream} is in use, or too many on this call")
                         continue
-                    task = asyncio.ensure_future(self._generate(req, record))
+                    task = asyncio.ensure_future(spans.generation(self._generate, self.site, req, record))
                     running[stream] = task
                     task.add_done_callback(lambda _, n=stream: running.pop(n, None))
                 for stream in command.cancels:
@@ -168,7 +168,9 @@ class SiteAgentService(wire.SiteAgentServicer):
             for attempt in range(1, CONNECT_ATTEMPTS + 1):
                 worker = await self._acquire(expected)
                 try:
-                    await self._relay(req, worker, expected, record)
+                    await spans.worker_call(
+                        self._relay(req, worker, expected, record), req, self.site, worker.url, record
+                    )
                     outcome = "completed"
                     return
                 except sglang.WorkerUnreachable as exc:
@@ -238,6 +240,7 @@ class SiteAgentService(wire.SiteAgentServicer):
                 on_logprobs=record.logprobs if req.logprobs else None,
                 heard=worker,
                 connect_timeout_s=self.timings.connect_timeout_s,
+                headers=tracing.outgoing(),
             )
             self._calls[call] = worker
             await call.done

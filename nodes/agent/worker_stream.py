@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -203,16 +203,20 @@ async def start(
     heard: Heard,
     connect_timeout_s: float,
     on_logprobs: OnLogprobs | None = None,
+    headers: Sequence[tuple[str, str]] = (),
 ) -> WorkerCall:
-    """POST `payload` to the worker's /generate as a stream; events go to `on_event` as they
-    arrive. Raises WorkerUnreachable if no connection can be made."""
+    """POST `payload` to the worker's /generate as a stream, with `headers` besides ours (a trace
+    context); events go to `on_event` as they arrive. Raises WorkerUnreachable if no connection
+    can be made."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     body = orjson.dumps({**payload, "stream": True})
     head = (
         f"POST {parts.path.rstrip('/')}/generate HTTP/1.1\r\nHost: {parts.netloc}\r\n"
         f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+        + "".join(f"{name}: {value}\r\n" for name, value in headers)
+        + "\r\n"
     )
     call = WorkerCall(
         head.encode() + body, incremental=incremental, on_event=on_event, heard=heard, on_logprobs=on_logprobs
