@@ -10,6 +10,7 @@ over the process's state (its collectors read it then), nothing between scrapes.
 
 from __future__ import annotations
 
+import argparse
 import ssl
 import tempfile
 from pathlib import Path
@@ -101,3 +102,15 @@ def announced(host: str, port: int | None, tls: Tls) -> dict[str, str]:
     if port is None:
         return {}
     return {"metrics": f"{'http' if tls.insecure else 'https'}://{host}:{port}/metrics"}
+
+
+async def serve_asked(registry: CollectorRegistry, args: argparse.Namespace, process: str) -> web.AppRunner | None:
+    """The endpoint `--metrics-port` asks for, on `--host`, with the process's `args.tls`; None
+    when none is asked. OSError, logged as `PROCESS.bind_failed`, when its port cannot be had."""
+    if args.metrics_port is None:
+        return None
+    try:
+        return await serve(registry, args.host, args.metrics_port, args.tls)
+    except OSError as exc:
+        log.error(f"{process}.bind_failed", address=f"{args.host}:{args.metrics_port}", error=str(exc))
+        raise

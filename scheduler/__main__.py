@@ -76,13 +76,10 @@ async def serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         log.error("scheduler.bind_failed", address=address, error=str(exc))
         return 1
-    metrics = None
-    if args.metrics_port is not None:
-        try:
-            metrics = await metrics_endpoint.serve(service.metrics.registry, args.host, args.metrics_port, args.tls)
-        except OSError as exc:
-            log.error("scheduler.bind_failed", address=f"{args.host}:{args.metrics_port}", error=str(exc))
-            return 1
+    try:
+        metrics = await metrics_endpoint.serve_asked(service.metrics.registry, args, "scheduler")
+    except OSError:
+        return 1
     await server.start()
     expiry = asyncio.ensure_future(service.expire_forever())
     stop = runtime.stop_event()

@@ -152,13 +152,10 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     served = _what_workers_serve(pool, args.model)
     if served is None:
         return 1
-    metrics = None
-    if args.metrics_port is not None:
-        try:
-            metrics = await metrics_endpoint.serve(service.metrics.registry, args.host, args.metrics_port, args.tls)
-        except OSError as exc:
-            log.error("agent.bind_failed", address=f"{args.host}:{args.metrics_port}", error=str(exc))
-            return 1
+    try:
+        metrics = await metrics_endpoint.serve_asked(service.metrics.registry, args, "agent")
+    except OSError:
+        return 1
     announced = metrics_endpoint.announced(args.host, args.metrics_port, args.tls)
     await server.start()
     tasks = [asyncio.ensure_future(pool.check_forever()), asyncio.ensure_future(service.watch_calls())]
