@@ -94,6 +94,20 @@ def start_python(
 ) -> Child:
     """Run `python -m MODULE ARGS` (optionally under `wrapper`, with `env` added to ours) and wait
     for its ready line. Its log lines (stderr) go to `log`, or to ours."""
+    return wait_ready(spawn_python(name, module, args, wrapper=wrapper, log=log, env=env), timeout_s)
+
+
+def spawn_python(
+    name: str,
+    module: str,
+    args: Sequence[str],
+    *,
+    wrapper: Sequence[str] = (),
+    log: IO[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Child:
+    """`start_python` without the wait: the child, its `ready` empty until `wait_ready` reads its
+    line (processes that start slowly, such as sites loading, start side by side)."""
     cmd = [*wrapper, sys.executable, "-m", module, *args]
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(PROJECT_ROOT)}
     proc = subprocess.Popen(
@@ -105,6 +119,13 @@ def start_python(
         env=env,
         preexec_fn=_die_with_parent if sys.platform == "linux" else None,
     )
+    return Child(name, proc, {})
+
+
+def wait_ready(child: Child, timeout_s: float = READY_TIMEOUT_S) -> Child:
+    """`child` once it printed its ready line (its `ready`); StartFailed, the child killed, when it
+    exits or stays silent past `timeout_s` first."""
+    proc = child.proc
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     while (left := deadline - time.monotonic()) > 0:
@@ -119,6 +140,7 @@ def start_python(
         except json.JSONDecodeError:
             continue
         if event.get("event") == "ready":
-            return Child(name, proc, event)
+            child.ready = event
+            return child
     proc.kill()
-    raise StartFailed(f"{name} did not get ready (exit code {proc.wait()}): {' '.join(cmd)}")
+    raise StartFailed(f"{child.name} did not get ready (exit code {proc.wait()}): {' '.join(map(str, proc.args))}")

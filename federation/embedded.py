@@ -22,7 +22,7 @@ from core import credential, wire
 from core.config import Config, SiteConfig
 from core.mtls import INSECURE, INSECURE_WARNING, Tls
 from core.pki import GATEWAY, SCHEDULER, Identity, Role
-from core.processes import Child, StartFailed, start_python
+from core.processes import Child, StartFailed, spawn_python, wait_ready
 from core.settings import to_json
 from federation import control
 from federation.admin import fetch_state
@@ -74,16 +74,23 @@ class Federation:
         return next(c for c in self.children if c.name == name)
 
     def _start(
-        self, name: str, module: str, args: list[str], env: dict[str, str] | None = None, as_: Identity | None = None
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        as_: Identity | None = None,
+        wait: bool = True,
     ) -> Child:
-        """Start a process; `as_`: the identity it serves and calls as (a WAN link has none)."""
+        """Start a process; `as_`: the identity it serves and calls as (a WAN link has none).
+        Without `wait` it is returned before its ready line (for `wait_ready`)."""
         if as_ is not None:
             args = [*args, *self.tls_flags(as_)]
             if self.join_token_file is not None and as_.role in (Role.SCHEDULER, Role.SITE):
                 args += ["--join-token-file", str(self.join_token_file)]
-        child = start_python(name, module, args, log=self.log, env=env)
+        child = spawn_python(name, module, args, log=self.log, env=env)
         self.children.append(child)
-        return child
+        return wait_ready(child) if wait else child
 
     def _link(self, name: str, target_port: int, rtt_ms: float) -> str:
         """A WAN link in user space; returns the address to dial instead of the target."""
@@ -100,10 +107,15 @@ class Federation:
         rtt_args = self._rtt_args()
         if self.ca is None:
             print(f"fedctl: {INSECURE_WARNING}", file=self.log or sys.stderr, flush=True)
-        for i in range(c.scheduler_replicas):
-            self._start(f"scheduler {i}", "scheduler", self._scheduler_args(i), as_=SCHEDULER)
-        for site in c.sites:
-            self._start_site(site)
+        schedulers = [
+            self._start(f"scheduler {i}", "scheduler", self._scheduler_args(i), as_=SCHEDULER, wait=False)
+            for i in range(c.scheduler_replicas)
+        ]
+        for child in schedulers:
+            wait_ready(child)
+        # The sites and the gateway start side by side: a site is ready once its workers answer,
+        # its probe ran and it registered (seconds each), and the gateway needs only the schedulers.
+        starting = [self._start_site(site, wait=False) for site in c.sites]
         gateway_args = ["--host", c.host, "--port", str(c.gateway_port), "--model", c.model, "--policy", c.policy]
         gateway_args += [
             arg for address in self._to_schedulers("gateway", c.gateway_region) for arg in ("--scheduler", address)
@@ -117,7 +129,9 @@ class Federation:
             shared, env = ["--reuse-port"], {metrics.MULTIPROCESS_DIR_ENV: self._metrics_dir}
         for i in range(c.gateway_processes):
             name = f"gateway {i}" if shared else "gateway"
-            self._start(name, "federation.gateway", [*gateway_args, *shared], env, as_=GATEWAY)
+            starting.append(self._start(name, "federation.gateway", [*gateway_args, *shared], env, GATEWAY, False))
+        for child in starting:
+            wait_ready(child)
         self._wait_sites_ready({s.name for s in c.sites})
 
     def restart_scheduler(self, replica: int) -> None:
@@ -158,14 +172,15 @@ class Federation:
     def _rtt_args(self) -> list[str]:
         return [f"--rtt-ms={a}:{b}={ms}" for (a, b), ms in self.config.rtt_ms.items() if a < b]
 
-    def _start_site(self, site: SiteConfig) -> None:
-        """A site's agent (with its emulated workers) and, for a remote region, its WAN links."""
+    def _start_site(self, site: SiteConfig, wait: bool = True) -> Child:
+        """A site's agent (with its emulated workers) and, for a remote region, its WAN links;
+        without `wait`, the agent is returned before its ready line."""
         c = self.config
         to_schedulers, advertise = self._to_schedulers(site.name, site.region), f"{c.host}:{site.agent_port}"
         rtt = c.rtt_between(site.region, c.gateway_region)
         if rtt:
             advertise = self._link(f"link gateway->{site.name}", site.agent_port, rtt)
-        self._start(
+        return self._start(
             f"agent {site.name}",
             "nodes.agent",
             [
@@ -197,6 +212,7 @@ class Federation:
                 *_timings_args(c.timings.agent),
             ],
             as_=Identity(Role.SITE, site.name),
+            wait=wait,
         )
 
     def add_site(self, site: SiteConfig) -> None:
