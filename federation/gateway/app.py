@@ -213,7 +213,7 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         )
         metrics.request_done(outcome, generation.retries, generation.resumed)
         metrics.observe(
-            metrics.Timings(
+            metrics.RequestTimes(
                 started,
                 generation.routed_at,
                 out.first_chunk_at,

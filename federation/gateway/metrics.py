@@ -126,7 +126,7 @@ HELD = Gauge(
 
 
 @dataclass(frozen=True, slots=True)
-class Timings:
+class RequestTimes:
     """When a finished request reached each point, by the monotonic clock (None: never)."""
 
     arrived: float
@@ -138,7 +138,7 @@ class Timings:
     output_tokens: int
 
 
-def observe(t: Timings) -> None:
+def observe(t: RequestTimes) -> None:
     if t.routed:
         ROUTE_SECONDS.observe(t.routed - t.arrived)
     if t.first_chunk and t.first_site:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from core import tokens
+from core import tokens, wire
 from core.errors import BadRequest
 
 FUNCTION_NAME = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -256,7 +256,7 @@ class GenerateRequest(BaseModel):
     input_ids: list[_TokenId] | None = None
     sampling_params: SamplingParams | None = None
     stream: bool = False
-    rid: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None
+    rid: Annotated[str, StringConstraints(pattern=wire.REQUEST_ID.pattern)] | None = None  # as X-Request-Id
     return_logprob: bool | None = None
     top_logprobs_num: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     logprob_start_len: Literal[-1] | None = None

@@ -6,7 +6,6 @@ agent's own state when scraped, so the per-token path pays nothing for it."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -18,19 +17,12 @@ from nodes.agent.pool import WorkerPool
 OUTCOMES = ("completed", "cancelled", "failed", "refused")
 
 
-@dataclass(frozen=True, slots=True)
-class _Sources:
-    site: str
-    pool: WorkerPool
-    delivered: DeliveredRate
-
-
 class _StateCollector(Collector):
-    def __init__(self, sources: _Sources) -> None:
-        self.sources = sources
+    def __init__(self, site: str, pool: WorkerPool, delivered: DeliveredRate) -> None:
+        self.site, self.pool, self.delivered = site, pool, delivered
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        site, pool, delivered = self.sources.site, self.sources.pool, self.sources.delivered
+        site, pool, delivered = self.site, self.pool, self.delivered
         relayed = CounterMetricFamily(
             "federation_agent_relayed_tokens", "Output tokens relayed to gateways.", labels=["site"]
         )
@@ -63,7 +55,6 @@ class AgentMetrics:
 
     def __init__(self, site: str, pool: WorkerPool, delivered: DeliveredRate) -> None:
         self.registry = CollectorRegistry()
-        self.site = site
         self.generate_calls = Counter(
             "federation_agent_generate_calls",
             "Generate calls opened (one per gateway process, multiplexed).",
@@ -87,4 +78,4 @@ class AgentMetrics:
             ["site"],
             registry=self.registry,
         ).labels(site)
-        self.registry.register(_StateCollector(_Sources(site, pool, delivered)))
+        self.registry.register(_StateCollector(site, pool, delivered))
