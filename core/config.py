@@ -17,6 +17,7 @@ import yaml
 from pydantic import ConfigDict, Field, Strict, StrictStr
 
 from core.policy import POLICIES
+from core.recipes import DEFAULT_RECIPES, Recipe, RecipeError
 from core.settings import Timings, describe
 
 CONFIG_ENV = "FEDERATION_CONFIG"  # a YAML file used when --config is not given
@@ -86,6 +87,9 @@ class Config:
     scheduler_replicas: int = 1  # active-active: any of them can decide, agents report to all
     scheduler_metrics_port: int | None = None  # replica i's /metrics on this + i; None: not served
     timings: Timings = field(default_factory=Timings)  # each component's waits (core/settings.py)
+    # How each GPU type's site starts its workers (core/recipes.py): the built-in ones, with
+    # those the file's `recipes:` names replacing theirs.
+    recipes: dict[str, Recipe] = field(default_factory=lambda: dict(DEFAULT_RECIPES))
 
     @property
     def gateway_url(self) -> str:
@@ -199,6 +203,7 @@ class _File(_Section):
     links: list[_Link] = []
     sites: Annotated[list[_Site], Field(min_length=1)]
     timings: Timings = Timings()
+    recipes: dict[Literal[GPUS], Recipe] = {}
 
 
 def parse(text: str, source: str = "config") -> Config:
@@ -246,13 +251,16 @@ def parse(text: str, source: str = "config") -> Config:
         scheduler_replicas=file.scheduler.replicas,
         scheduler_metrics_port=file.scheduler.metrics_port,
         timings=file.timings,
+        recipes={**DEFAULT_RECIPES, **file.recipes},
     )
     try:
         for site in config.sites:
             config.rtt_between(site.region, config.gateway_region)
             config.rtt_between(site.region, config.scheduler_region)
         config.rtt_between(config.gateway_region, config.scheduler_region)
-    except ConfigError as exc:
+        for site in config.sites:
+            config.recipes[site.gpu].workers(site.gpus)
+    except (ConfigError, RecipeError) as exc:
         raise ConfigError(f"{source}: {exc}") from None
     _check_ports(config, source)
     return config
