@@ -59,6 +59,8 @@ class SiteRegistration:
     probe_tok_s: float = 0.0
     tokenizer: str = ""  # what the workers say they tokenize with ("": they do not say)
     draining: bool = False  # told to drain and not undrained since (a restarted replica learns it)
+    checkpoint: str = ""  # what the workers load (SGLang's model_path; "": the served model's own)
+    weight_format: str = ""  # mxfp4, fp8, bf16, ... ("": unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,7 @@ class SiteReport:
     generation_tokens_total: int = 0
     delivered_tok_s: float = 0.0  # output tokens/s the agent relayed, over recent seconds
     step_age_s: float = 0.0  # how long the step in progress has run at the busy workers (see the proto)
+    loading_workers: int = 0  # starting: loading their model, or the join probe still running
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +141,13 @@ class SiteState:
     status_age_s: float = 0.0
     workers_age_s: float = -1.0
     overdue_age_s: float = -1.0  # since a step last began to overrun the site's pace (-1: never)
+    checkpoint: str = ""
+    weight_format: str = ""
+    loading_workers: int = 0
+    running_requests: int = 0  # the workers' own counts, as last reported
+    kv_usage: float = 0.0
+    gen_throughput_tok_s: float = 0.0
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

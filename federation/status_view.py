@@ -27,6 +27,9 @@ SITE_COLUMNS = (
     "outstanding_requests",
     "queued_requests",
     "routed_requests",
+    # Added later: at the end, so the columns scripts read by position stay where they were.
+    "loading_workers",
+    "weight_format",
 )
 
 CLEAR_SCREEN = "\x1b[2J\x1b[H"  # erase the terminal, cursor to its top left: the next frame replaces this one
@@ -39,11 +42,14 @@ def site_rows(state: wire.FederationState) -> list[dict]:
             "region": s.region,
             "gpu": s.gpu,
             "gpus": s.gpus,
+            "weight_format": s.weight_format or "?",
+            "checkpoint": s.checkpoint,
             "state": s.status.label,
             "capacity_tok_s": round(s.capacity_tok_s, 1),
             "capacity_evidence": s.capacity_evidence,
             "prior_capacity_tok_s": round(s.prior_capacity_tok_s, 1),
             "healthy_workers": s.healthy_workers,
+            "loading_workers": s.loading_workers,
             "total_workers": s.total_workers,
             "slots": s.slots,
             "admit_window": s.admit_window,

@@ -24,55 +24,55 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/federation.proto\x12\rfederation.v1\"\xde\x01\n\x10SiteRegistration\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0b\n\x03gpu\x18\x03 \x01(\t\x12\x0c\n\x04gpus\x18\x04 \x01(\r\x12\x15\n\ragent_address\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x13\n\x0bprobe_batch\x18\x07 \x01(\x01\x12\x1c\n\x14probe_context_tokens\x18\x08 \x01(\x01\x12\x13\n\x0bprobe_tok_s\x18\t \x01(\x01\x12\x11\n\ttokenizer\x18\n \x01(\t\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\"S\n\nRegistered\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x1c\n\x14prior_capacity_tok_s\x18\x02 \x01(\x01\x12\x19\n\x11report_interval_s\x18\x03 \x01(\x01\"\x95\x03\n\nSiteReport\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x17\n\x0fhealthy_workers\x18\x02 \x01(\r\x12\x15\n\rtotal_workers\x18\x03 \x01(\r\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12\x1c\n\x14gen_throughput_tok_s\x18\x07 \x01(\x01\x12\x1c\n\x14outstanding_requests\x18\x08 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\t \x01(\x04\x12\r\n\x05slots\x18\x0b \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x0c \x01(\x04\x12\x14\n\x0creceived_ids\x18\r \x03(\t\x12\x1b\n\x13prompt_tokens_total\x18\x0e \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\x0f \x01(\x04\x12\x17\n\x0f\x64\x65livered_tok_s\x18\x10 \x01(\x01\x12\x12\n\nstep_age_s\x18\x11 \x01(\x01J\x04\x08\n\x10\x0b\"K\n\x10SchedulerCommand\x12\'\n\x07\x63ommand\x18\x01 \x01(\x0e\x32\x16.federation.v1.Command\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x8c\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rclient_region\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x15\n\rexclude_sites\x18\x05 \x03(\t\x12\x0f\n\x07\x64ry_run\x18\x06 \x01(\x08\"^\n\rRouteDecision\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x15\n\ragent_address\x18\x02 \x01(\t\x12\x18\n\x10\x65xpected_delay_s\x18\x03 \x01(\x01\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\"\n\x0cStateRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\"\x94\x04\n\tSiteState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0b\n\x03gpu\x18\x03 \x01(\t\x12\x0c\n\x04gpus\x18\x04 \x01(\r\x12\x15\n\ragent_address\x18\x05 \x01(\t\x12)\n\x06status\x18\x06 \x01(\x0e\x32\x19.federation.v1.SiteStatus\x12\x16\n\x0e\x63\x61pacity_tok_s\x18\x07 \x01(\x01\x12\x1c\n\x14outstanding_requests\x18\x08 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\t \x01(\x04\x12\x17\n\x0frouted_requests\x18\n \x01(\x04\x12\x17\n\x0fhealthy_workers\x18\x0b \x01(\r\x12\x15\n\rtotal_workers\x18\x0c \x01(\r\x12\x19\n\x11last_report_age_s\x18\r \x01(\x01\x12\x1c\n\x14prior_capacity_tok_s\x18\x0e \x01(\x01\x12\x19\n\x11\x63\x61pacity_evidence\x18\x0f \x01(\t\x12\x17\n\x0fqueued_requests\x18\x10 \x01(\r\x12\r\n\x05slots\x18\x11 \x01(\r\x12\x14\n\x0c\x61\x64mit_window\x18\x12 \x01(\r\x12\x1b\n\x13prefill_s_per_token\x18\x13 \x01(\x01\x12\x14\n\x0cstatus_age_s\x18\x14 \x01(\x01\x12\x15\n\rworkers_age_s\x18\x15 \x01(\x01\x12\x15\n\roverdue_age_s\x18\x16 \x01(\x01\"v\n\x0f\x46\x65\x64\x65rationState\x12\'\n\x05sites\x18\x01 \x03(\x0b\x32\x18.federation.v1.SiteState\x12\r\n\x05model\x18\x02 \x01(\t\x12+\n\x07refused\x18\x03 \x03(\x0b\x32\x1a.federation.v1.RefusedSite\">\n\x0bRefusedSite\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tat_unix_s\x18\x03 \x01(\x01\"\x17\n\x07SiteRef\x12\x0c\n\x04site\x18\x01 \x01(\t\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12\x1c\n\x14sampling_params_json\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x0e\n\x06stream\x18\x06 \x01(\x04\x12\x13\n\x0b\x65very_event\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x13\n\x0btraceparent\x18\n \x01(\t\"P\n\x0fGenerateCommand\x12-\n\x05start\x18\x01 \x03(\x0b\x32\x1e.federation.v1.GenerateRequest\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"\xb0\x02\n\nTokenDelta\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\noutput_ids\x18\x03 \x03(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x1a\n\x12\x66inish_reason_json\x18\x06 \x01(\t\x12\x0e\n\x06worker\x18\x07 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65pted_unix_s\x18\x08 \x01(\x01\x12)\n\x05\x65rror\x18\t \x01(\x0e\x32\x1a.federation.v1.StreamError\x12\x15\n\rerror_message\x18\n \x01(\t\x12\x10\n\x08logprobs\x18\x0b \x03(\x02\x12\x0f\n\x07top_ids\x18\x0c \x03(\r\x12\x14\n\x0ctop_logprobs\x18\r \x03(\x02\"7\n\nTokenBatch\x12)\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x19.federation.v1.TokenDelta\"Z\n\x0bJoinRequest\x12\x12\n\nschedulers\x18\x01 \x03(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\x12\x0b\n\x03gpu\x18\x04 \x01(\t\x12\x0c\n\x04gpus\x18\x05 \x01(\r\"0\n\tJoinReply\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x15\n\ragent_address\x18\x02 \x01(\t*\x89\x01\n\nSiteStatus\x12\x1b\n\x17SITE_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13SITE_STATUS_JOINING\x10\x01\x12\x15\n\x11SITE_STATUS_READY\x10\x02\x12\x18\n\x14SITE_STATUS_DRAINING\x10\x03\x12\x14\n\x10SITE_STATUS_DOWN\x10\x04*^\n\x07\x43ommand\x12\x17\n\x13\x43OMMAND_UNSPECIFIED\x10\x00\x12\x11\n\rCOMMAND_DRAIN\x10\x01\x12\x13\n\x0f\x43OMMAND_UNDRAIN\x10\x02\x12\x12\n\x0e\x43OMMAND_REMOVE\x10\x03*}\n\x0bStreamError\x12\x15\n\x11STREAM_ERROR_NONE\x10\x00\x12\x19\n\x15STREAM_ERROR_REJECTED\x10\x01\x12\x1e\n\x1aSTREAM_ERROR_WORKER_FAILED\x10\x02\x12\x1c\n\x18STREAM_ERROR_SITE_FAILED\x10\x03\x32\xbb\x04\n\tScheduler\x12J\n\x0cRegisterSite\x12\x1f.federation.v1.SiteRegistration\x1a\x19.federation.v1.Registered\x12H\n\x06Report\x12\x19.federation.v1.SiteReport\x1a\x1f.federation.v1.SchedulerCommand(\x01\x30\x01\x12\x42\n\x05Route\x12\x1b.federation.v1.RouteRequest\x1a\x1c.federation.v1.RouteDecision\x12G\n\x08GetState\x12\x1b.federation.v1.StateRequest\x1a\x1e.federation.v1.FederationState\x12K\n\nWatchState\x12\x1b.federation.v1.StateRequest\x1a\x1e.federation.v1.FederationState0\x01\x12=\n\tDrainSite\x12\x16.federation.v1.SiteRef\x1a\x18.federation.v1.SiteState\x12?\n\x0bUndrainSite\x12\x16.federation.v1.SiteRef\x1a\x18.federation.v1.SiteState\x12>\n\nRemoveSite\x12\x16.federation.v1.SiteRef\x1a\x18.federation.v1.SiteState2\x94\x01\n\tSiteAgent\x12I\n\x08Generate\x12\x1e.federation.v1.GenerateCommand\x1a\x19.federation.v1.TokenBatch(\x01\x30\x01\x12<\n\x04Join\x12\x1a.federation.v1.JoinRequest\x1a\x18.federation.v1.JoinReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/federation.proto\x12\rfederation.v1\"\x89\x02\n\x10SiteRegistration\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0b\n\x03gpu\x18\x03 \x01(\t\x12\x0c\n\x04gpus\x18\x04 \x01(\r\x12\x15\n\ragent_address\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x13\n\x0bprobe_batch\x18\x07 \x01(\x01\x12\x1c\n\x14probe_context_tokens\x18\x08 \x01(\x01\x12\x13\n\x0bprobe_tok_s\x18\t \x01(\x01\x12\x11\n\ttokenizer\x18\n \x01(\t\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x12\x12\n\ncheckpoint\x18\x0c \x01(\t\x12\x15\n\rweight_format\x18\r \x01(\t\"S\n\nRegistered\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x1c\n\x14prior_capacity_tok_s\x18\x02 \x01(\x01\x12\x19\n\x11report_interval_s\x18\x03 \x01(\x01\"\xae\x03\n\nSiteReport\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x17\n\x0fhealthy_workers\x18\x02 \x01(\r\x12\x15\n\rtotal_workers\x18\x03 \x01(\r\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12\x1c\n\x14gen_throughput_tok_s\x18\x07 \x01(\x01\x12\x1c\n\x14outstanding_requests\x18\x08 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\t \x01(\x04\x12\r\n\x05slots\x18\x0b \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x0c \x01(\x04\x12\x14\n\x0creceived_ids\x18\r \x03(\t\x12\x1b\n\x13prompt_tokens_total\x18\x0e \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\x0f \x01(\x04\x12\x17\n\x0f\x64\x65livered_tok_s\x18\x10 \x01(\x01\x12\x12\n\nstep_age_s\x18\x11 \x01(\x01\x12\x17\n\x0floading_workers\x18\x12 \x01(\rJ\x04\x08\n\x10\x0b\"K\n\x10SchedulerCommand\x12\'\n\x07\x63ommand\x18\x01 \x01(\x0e\x32\x16.federation.v1.Command\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x8c\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rclient_region\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x15\n\rexclude_sites\x18\x05 \x03(\t\x12\x0f\n\x07\x64ry_run\x18\x06 \x01(\x08\"^\n\rRouteDecision\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x15\n\ragent_address\x18\x02 \x01(\t\x12\x18\n\x10\x65xpected_delay_s\x18\x03 \x01(\x01\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\"\n\x0cStateRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\"\xba\x05\n\tSiteState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0b\n\x03gpu\x18\x03 \x01(\t\x12\x0c\n\x04gpus\x18\x04 \x01(\r\x12\x15\n\ragent_address\x18\x05 \x01(\t\x12)\n\x06status\x18\x06 \x01(\x0e\x32\x19.federation.v1.SiteStatus\x12\x16\n\x0e\x63\x61pacity_tok_s\x18\x07 \x01(\x01\x12\x1c\n\x14outstanding_requests\x18\x08 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\t \x01(\x04\x12\x17\n\x0frouted_requests\x18\n \x01(\x04\x12\x17\n\x0fhealthy_workers\x18\x0b \x01(\r\x12\x15\n\rtotal_workers\x18\x0c \x01(\r\x12\x19\n\x11last_report_age_s\x18\r \x01(\x01\x12\x1c\n\x14prior_capacity_tok_s\x18\x0e \x01(\x01\x12\x19\n\x11\x63\x61pacity_evidence\x18\x0f \x01(\t\x12\x17\n\x0fqueued_requests\x18\x10 \x01(\r\x12\r\n\x05slots\x18\x11 \x01(\r\x12\x14\n\x0c\x61\x64mit_window\x18\x12 \x01(\r\x12\x1b\n\x13prefill_s_per_token\x18\x13 \x01(\x01\x12\x14\n\x0cstatus_age_s\x18\x14 \x01(\x01\x12\x15\n\rworkers_age_s\x18\x15 \x01(\x01\x12\x15\n\roverdue_age_s\x18\x16 \x01(\x01\x12\x12\n\ncheckpoint\x18\x17 \x01(\t\x12\x15\n\rweight_format\x18\x18 \x01(\t\x12\x17\n\x0floading_workers\x18\x19 \x01(\r\x12\x18\n\x10running_requests\x18\x1a \x01(\r\x12\x10\n\x08kv_usage\x18\x1b \x01(\x01\x12\x1c\n\x14gen_throughput_tok_s\x18\x1c \x01(\x01\x12\x16\n\x0e\x63ontext_tokens\x18\x1d \x01(\x04\"v\n\x0f\x46\x65\x64\x65rationState\x12\'\n\x05sites\x18\x01 \x03(\x0b\x32\x18.federation.v1.SiteState\x12\r\n\x05model\x18\x02 \x01(\t\x12+\n\x07refused\x18\x03 \x03(\x0b\x32\x1a.federation.v1.RefusedSite\">\n\x0bRefusedSite\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tat_unix_s\x18\x03 \x01(\x01\"\x17\n\x07SiteRef\x12\x0c\n\x04site\x18\x01 \x01(\t\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12\x1c\n\x14sampling_params_json\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x0e\n\x06stream\x18\x06 \x01(\x04\x12\x13\n\x0b\x65very_event\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x13\n\x0btraceparent\x18\n \x01(\t\"P\n\x0fGenerateCommand\x12-\n\x05start\x18\x01 \x03(\x0b\x32\x1e.federation.v1.GenerateRequest\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"\xb0\x02\n\nTokenDelta\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\noutput_ids\x18\x03 \x03(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x1a\n\x12\x66inish_reason_json\x18\x06 \x01(\t\x12\x0e\n\x06worker\x18\x07 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65pted_unix_s\x18\x08 \x01(\x01\x12)\n\x05\x65rror\x18\t \x01(\x0e\x32\x1a.federation.v1.StreamError\x12\x15\n\rerror_message\x18\n \x01(\t\x12\x10\n\x08logprobs\x18\x0b \x03(\x02\x12\x0f\n\x07top_ids\x18\x0c \x03(\r\x12\x14\n\x0ctop_logprobs\x18\r \x03(\x02\"7\n\nTokenBatch\x12)\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x19.federation.v1.TokenDelta\"Z\n\x0bJoinRequest\x12\x12\n\nschedulers\x18\x01 \x03(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\x12\x0b\n\x03gpu\x18\x04 \x01(\t\x12\x0c\n\x04gpus\x18\x05 \x01(\r\"0\n\tJoinReply\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x15\n\ragent_address\x18\x02 \x01(\t*\x89\x01\n\nSiteStatus\x12\x1b\n\x17SITE_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13SITE_STATUS_JOINING\x10\x01\x12\x15\n\x11SITE_STATUS_READY\x10\x02\x12\x18\n\x14SITE_STATUS_DRAINING\x10\x03\x12\x14\n\x10SITE_STATUS_DOWN\x10\x04*^\n\x07\x43ommand\x12\x17\n\x13\x43OMMAND_UNSPECIFIED\x10\x00\x12\x11\n\rCOMMAND_DRAIN\x10\x01\x12\x13\n\x0f\x43OMMAND_UNDRAIN\x10\x02\x12\x12\n\x0e\x43OMMAND_REMOVE\x10\x03*}\n\x0bStreamError\x12\x15\n\x11STREAM_ERROR_NONE\x10\x00\x12\x19\n\x15STREAM_ERROR_REJECTED\x10\x01\x12\x1e\n\x1aSTREAM_ERROR_WORKER_FAILED\x10\x02\x12\x1c\n\x18STREAM_ERROR_SITE_FAILED\x10\x03\x32\xbb\x04\n\tScheduler\x12J\n\x0cRegisterSite\x12\x1f.federation.v1.SiteRegistration\x1a\x19.federation.v1.Registered\x12H\n\x06Report\x12\x19.federation.v1.SiteReport\x1a\x1f.federation.v1.SchedulerCommand(\x01\x30\x01\x12\x42\n\x05Route\x12\x1b.federation.v1.RouteRequest\x1a\x1c.federation.v1.RouteDecision\x12G\n\x08GetState\x12\x1b.federation.v1.StateRequest\x1a\x1e.federation.v1.FederationState\x12K\n\nWatchState\x12\x1b.federation.v1.StateRequest\x1a\x1e.federation.v1.FederationState0\x01\x12=\n\tDrainSite\x12\x16.federation.v1.SiteRef\x1a\x18.federation.v1.SiteState\x12?\n\x0bUndrainSite\x12\x16.federation.v1.SiteRef\x1a\x18.federation.v1.SiteState\x12>\n\nRemoveSite\x12\x16.federation.v1.SiteRef\x1a\x18.federation.v1.SiteState2\x94\x01\n\tSiteAgent\x12I\n\x08Generate\x12\x1e.federation.v1.GenerateCommand\x1a\x19.federation.v1.TokenBatch(\x01\x30\x01\x12<\n\x04Join\x12\x1a.federation.v1.JoinRequest\x1a\x18.federation.v1.JoinReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.federation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SITESTATUS']._serialized_start=2668
-  _globals['_SITESTATUS']._serialized_end=2805
-  _globals['_COMMAND']._serialized_start=2807
-  _globals['_COMMAND']._serialized_end=2901
-  _globals['_STREAMERROR']._serialized_start=2903
-  _globals['_STREAMERROR']._serialized_end=3028
+  _globals['_SITESTATUS']._serialized_start=2902
+  _globals['_SITESTATUS']._serialized_end=3039
+  _globals['_COMMAND']._serialized_start=3041
+  _globals['_COMMAND']._serialized_end=3135
+  _globals['_STREAMERROR']._serialized_start=3137
+  _globals['_STREAMERROR']._serialized_end=3262
   _globals['_SITEREGISTRATION']._serialized_start=42
-  _globals['_SITEREGISTRATION']._serialized_end=264
-  _globals['_REGISTERED']._serialized_start=266
-  _globals['_REGISTERED']._serialized_end=349
-  _globals['_SITEREPORT']._serialized_start=352
-  _globals['_SITEREPORT']._serialized_end=757
-  _globals['_SCHEDULERCOMMAND']._serialized_start=759
-  _globals['_SCHEDULERCOMMAND']._serialized_end=834
-  _globals['_ROUTEREQUEST']._serialized_start=837
-  _globals['_ROUTEREQUEST']._serialized_end=977
-  _globals['_ROUTEDECISION']._serialized_start=979
-  _globals['_ROUTEDECISION']._serialized_end=1073
-  _globals['_STATEREQUEST']._serialized_start=1075
-  _globals['_STATEREQUEST']._serialized_end=1109
-  _globals['_SITESTATE']._serialized_start=1112
-  _globals['_SITESTATE']._serialized_end=1644
-  _globals['_FEDERATIONSTATE']._serialized_start=1646
-  _globals['_FEDERATIONSTATE']._serialized_end=1764
-  _globals['_REFUSEDSITE']._serialized_start=1766
-  _globals['_REFUSEDSITE']._serialized_end=1828
-  _globals['_SITEREF']._serialized_start=1830
-  _globals['_SITEREF']._serialized_end=1853
-  _globals['_GENERATEREQUEST']._serialized_start=1856
-  _globals['_GENERATEREQUEST']._serialized_end=2077
-  _globals['_GENERATECOMMAND']._serialized_start=2079
-  _globals['_GENERATECOMMAND']._serialized_end=2159
-  _globals['_TOKENDELTA']._serialized_start=2162
-  _globals['_TOKENDELTA']._serialized_end=2466
-  _globals['_TOKENBATCH']._serialized_start=2468
-  _globals['_TOKENBATCH']._serialized_end=2523
-  _globals['_JOINREQUEST']._serialized_start=2525
-  _globals['_JOINREQUEST']._serialized_end=2615
-  _globals['_JOINREPLY']._serialized_start=2617
-  _globals['_JOINREPLY']._serialized_end=2665
-  _globals['_SCHEDULER']._serialized_start=3031
-  _globals['_SCHEDULER']._serialized_end=3602
-  _globals['_SITEAGENT']._serialized_start=3605
-  _globals['_SITEAGENT']._serialized_end=3753
+  _globals['_SITEREGISTRATION']._serialized_end=307
+  _globals['_REGISTERED']._serialized_start=309
+  _globals['_REGISTERED']._serialized_end=392
+  _globals['_SITEREPORT']._serialized_start=395
+  _globals['_SITEREPORT']._serialized_end=825
+  _globals['_SCHEDULERCOMMAND']._serialized_start=827
+  _globals['_SCHEDULERCOMMAND']._serialized_end=902
+  _globals['_ROUTEREQUEST']._serialized_start=905
+  _globals['_ROUTEREQUEST']._serialized_end=1045
+  _globals['_ROUTEDECISION']._serialized_start=1047
+  _globals['_ROUTEDECISION']._serialized_end=1141
+  _globals['_STATEREQUEST']._serialized_start=1143
+  _globals['_STATEREQUEST']._serialized_end=1177
+  _globals['_SITESTATE']._serialized_start=1180
+  _globals['_SITESTATE']._serialized_end=1878
+  _globals['_FEDERATIONSTATE']._serialized_start=1880
+  _globals['_FEDERATIONSTATE']._serialized_end=1998
+  _globals['_REFUSEDSITE']._serialized_start=2000
+  _globals['_REFUSEDSITE']._serialized_end=2062
+  _globals['_SITEREF']._serialized_start=2064
+  _globals['_SITEREF']._serialized_end=2087
+  _globals['_GENERATEREQUEST']._serialized_start=2090
+  _globals['_GENERATEREQUEST']._serialized_end=2311
+  _globals['_GENERATECOMMAND']._serialized_start=2313
+  _globals['_GENERATECOMMAND']._serialized_end=2393
+  _globals['_TOKENDELTA']._serialized_start=2396
+  _globals['_TOKENDELTA']._serialized_end=2700
+  _globals['_TOKENBATCH']._serialized_start=2702
+  _globals['_TOKENBATCH']._serialized_end=2757
+  _globals['_JOINREQUEST']._serialized_start=2759
+  _globals['_JOINREQUEST']._serialized_end=2849
+  _globals['_JOINREPLY']._serialized_start=2851
+  _globals['_JOINREPLY']._serialized_end=2899
+  _globals['_SCHEDULER']._serialized_start=3265
+  _globals['_SCHEDULER']._serialized_end=3836
+  _globals['_SITEAGENT']._serialized_start=3839
+  _globals['_SITEAGENT']._serialized_end=3987
 # @@protoc_insertion_point(module_scope)

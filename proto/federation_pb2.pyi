@@ -43,7 +43,7 @@ STREAM_ERROR_WORKER_FAILED: StreamError
 STREAM_ERROR_SITE_FAILED: StreamError
 
 class SiteRegistration(_message.Message):
-    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "model", "probe_batch", "probe_context_tokens", "probe_tok_s", "tokenizer", "draining")
+    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "model", "probe_batch", "probe_context_tokens", "probe_tok_s", "tokenizer", "draining", "checkpoint", "weight_format")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,8 @@ class SiteRegistration(_message.Message):
     PROBE_TOK_S_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     name: str
     region: str
     gpu: str
@@ -66,7 +68,9 @@ class SiteRegistration(_message.Message):
     probe_tok_s: float
     tokenizer: str
     draining: bool
-    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., model: _Optional[str] = ..., probe_batch: _Optional[float] = ..., probe_context_tokens: _Optional[float] = ..., probe_tok_s: _Optional[float] = ..., tokenizer: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    checkpoint: str
+    weight_format: str
+    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., model: _Optional[str] = ..., probe_batch: _Optional[float] = ..., probe_context_tokens: _Optional[float] = ..., probe_tok_s: _Optional[float] = ..., tokenizer: _Optional[str] = ..., draining: _Optional[bool] = ..., checkpoint: _Optional[str] = ..., weight_format: _Optional[str] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("site", "prior_capacity_tok_s", "report_interval_s")
@@ -79,7 +83,7 @@ class Registered(_message.Message):
     def __init__(self, site: _Optional[str] = ..., prior_capacity_tok_s: _Optional[float] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
 
 class SiteReport(_message.Message):
-    __slots__ = ("site", "healthy_workers", "total_workers", "running_requests", "queued_requests", "kv_usage", "gen_throughput_tok_s", "outstanding_requests", "outstanding_tokens", "slots", "context_tokens", "received_ids", "prompt_tokens_total", "generation_tokens_total", "delivered_tok_s", "step_age_s")
+    __slots__ = ("site", "healthy_workers", "total_workers", "running_requests", "queued_requests", "kv_usage", "gen_throughput_tok_s", "outstanding_requests", "outstanding_tokens", "slots", "context_tokens", "received_ids", "prompt_tokens_total", "generation_tokens_total", "delivered_tok_s", "step_age_s", "loading_workers")
     SITE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_WORKERS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +100,7 @@ class SiteReport(_message.Message):
     GENERATION_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_TOK_S_FIELD_NUMBER: _ClassVar[int]
     STEP_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    LOADING_WORKERS_FIELD_NUMBER: _ClassVar[int]
     site: str
     healthy_workers: int
     total_workers: int
@@ -112,7 +117,8 @@ class SiteReport(_message.Message):
     generation_tokens_total: int
     delivered_tok_s: float
     step_age_s: float
-    def __init__(self, site: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., slots: _Optional[int] = ..., context_tokens: _Optional[int] = ..., received_ids: _Optional[_Iterable[str]] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., delivered_tok_s: _Optional[float] = ..., step_age_s: _Optional[float] = ...) -> None: ...
+    loading_workers: int
+    def __init__(self, site: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., slots: _Optional[int] = ..., context_tokens: _Optional[int] = ..., received_ids: _Optional[_Iterable[str]] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., delivered_tok_s: _Optional[float] = ..., step_age_s: _Optional[float] = ..., loading_workers: _Optional[int] = ...) -> None: ...
 
 class SchedulerCommand(_message.Message):
     __slots__ = ("command", "reason")
@@ -157,7 +163,7 @@ class StateRequest(_message.Message):
     def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
 
 class SiteState(_message.Message):
-    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "status", "capacity_tok_s", "outstanding_requests", "outstanding_tokens", "routed_requests", "healthy_workers", "total_workers", "last_report_age_s", "prior_capacity_tok_s", "capacity_evidence", "queued_requests", "slots", "admit_window", "prefill_s_per_token", "status_age_s", "workers_age_s", "overdue_age_s")
+    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "status", "capacity_tok_s", "outstanding_requests", "outstanding_tokens", "routed_requests", "healthy_workers", "total_workers", "last_report_age_s", "prior_capacity_tok_s", "capacity_evidence", "queued_requests", "slots", "admit_window", "prefill_s_per_token", "status_age_s", "workers_age_s", "overdue_age_s", "checkpoint", "weight_format", "loading_workers", "running_requests", "kv_usage", "gen_throughput_tok_s", "context_tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +186,13 @@ class SiteState(_message.Message):
     STATUS_AGE_S_FIELD_NUMBER: _ClassVar[int]
     WORKERS_AGE_S_FIELD_NUMBER: _ClassVar[int]
     OVERDUE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    LOADING_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    GEN_THROUGHPUT_TOK_S_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     region: str
     gpu: str
@@ -202,7 +215,14 @@ class SiteState(_message.Message):
     status_age_s: float
     workers_age_s: float
     overdue_age_s: float
-    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., status: _Optional[_Union[SiteStatus, str]] = ..., capacity_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., prior_capacity_tok_s: _Optional[float] = ..., capacity_evidence: _Optional[str] = ..., queued_requests: _Optional[int] = ..., slots: _Optional[int] = ..., admit_window: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., status_age_s: _Optional[float] = ..., workers_age_s: _Optional[float] = ..., overdue_age_s: _Optional[float] = ...) -> None: ...
+    checkpoint: str
+    weight_format: str
+    loading_workers: int
+    running_requests: int
+    kv_usage: float
+    gen_throughput_tok_s: float
+    context_tokens: int
+    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., status: _Optional[_Union[SiteStatus, str]] = ..., capacity_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., prior_capacity_tok_s: _Optional[float] = ..., capacity_evidence: _Optional[str] = ..., queued_requests: _Optional[int] = ..., slots: _Optional[int] = ..., admit_window: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., status_age_s: _Optional[float] = ..., workers_age_s: _Optional[float] = ..., overdue_age_s: _Optional[float] = ..., checkpoint: _Optional[str] = ..., weight_format: _Optional[str] = ..., loading_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
 class FederationState(_message.Message):
     __slots__ = ("sites", "model", "refused")

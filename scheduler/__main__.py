@@ -32,6 +32,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="openai/gpt-oss-120b", help="the model every site must serve")
     p.add_argument("--tokenizer", default="", help="the tokenizer every site must use (default: the model's)")
     p.add_argument(
+        "--checkpoint",
+        action="append",
+        default=None,
+        help="a checkpoint of --model that sites may load, in its own weight format (its tokenizer must be "
+        "the same), repeatable; default: the model's own and those of the built-in recipes (core/recipes.py)",
+    )
+    p.add_argument(
         "--policy",
         choices=sorted(POLICIES),
         default="least_expected_delay",
@@ -61,6 +68,7 @@ async def serve(args: argparse.Namespace) -> int:
         rtt,
         args.policy,
         tokenizer=args.tokenizer,
+        checkpoints=args.checkpoint,
         join_credential=args.join_credential,
         timings=args.timings,
         guard=Guard(args.tls),

@@ -7,12 +7,14 @@ within a report period, so a restarted scheduler replica needs no storage.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import structlog
 
 from core import pace
 from core.policy import SiteLoad
+from core.recipes import DEFAULT_RECIPES
 from core.settings import SchedulerTimings
 from core.wire import RefusedSite, RouteRequest, SiteRegistration, SiteReport, SiteState, SiteStatus
 from core.work import expected_output_tokens
@@ -82,9 +84,15 @@ class Site:
 
 
 class Registry:
-    def __init__(self, model: str, timings: SchedulerTimings, tokenizer: str = "") -> None:
+    def __init__(
+        self, model: str, timings: SchedulerTimings, tokenizer: str = "", checkpoints: Sequence[str] | None = None
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer or model  # SGLang's tokenizer path defaults to the model's
+        # The checkpoints of `model` a site may load, each in its own weight format: a site that
+        # resumes another's answer continues from its token ids, whatever the weights' format.
+        known = [r.model_path for r in DEFAULT_RECIPES.values()] if checkpoints is None else checkpoints
+        self.checkpoints = frozenset({model, *known})
         self.heartbeat_timeout_s = timings.heartbeat_timeout_s
         self.in_transit_limit_s = timings.in_transit_limit_s
         self.sites: dict[str, Site] = {}
@@ -106,6 +114,12 @@ class Registry:
         if reg.model != self.model:
             raise self.refuse(
                 reg.name, f"site {reg.name!r} serves {reg.model!r}, but this federation serves {self.model!r}"
+            )
+        if reg.checkpoint and reg.checkpoint not in self.checkpoints:
+            raise self.refuse(
+                reg.name,
+                f"site {reg.name!r} loads checkpoint {reg.checkpoint!r}, which this federation does not know as "
+                f"{self.model!r} (known: {', '.join(sorted(self.checkpoints))}; add it to the schedulers' --checkpoint)",
             )
         if reg.tokenizer and reg.tokenizer != self.tokenizer:
             raise self.refuse(
@@ -232,7 +246,12 @@ class Registry:
         return tuple(self.state_of(s) for s in self.sites.values())
 
     def _live_status(self, site: Site) -> SiteStatus:
-        return SiteStatus.DRAINING if site.draining else SiteStatus.READY
+        if site.draining:
+            return SiteStatus.DRAINING
+        report = site.report
+        if report is not None and report.loading_workers and not report.healthy_workers:
+            return SiteStatus.JOINING  # every worker still loading its model: no traffic, and not down
+        return SiteStatus.READY
 
     @staticmethod
     def state_of(s: Site) -> SiteState:
@@ -261,4 +280,11 @@ class Registry:
             status_age_s=now - s.status_since,
             workers_age_s=now - s.workers_since if s.workers_since else -1.0,
             overdue_age_s=now - s.overdue_since if s.overdue_since else -1.0,
+            checkpoint=r.checkpoint,
+            weight_format=r.weight_format,
+            loading_workers=s.report.loading_workers if s.report else 0,
+            running_requests=s.report.running_requests if s.report else 0,
+            kv_usage=s.report.kv_usage if s.report else 0.0,
+            gen_throughput_tok_s=s.report.gen_throughput_tok_s if s.report else 0.0,
+            context_tokens=s.report.context_tokens if s.report else 0,
         )

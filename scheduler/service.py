@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import grpc
 import structlog
@@ -41,13 +41,14 @@ class SchedulerService(wire.SchedulerServicer):
         policy: str = "least_expected_delay",
         *,
         tokenizer: str = "",
+        checkpoints: Sequence[str] | None = None,
         join_credential: str = "",
         timings: SchedulerTimings = SchedulerTimings(),
         guard: Guard = UNGUARDED,
     ) -> None:
         self.timings = timings
         self.guard = guard
-        self.registry = Registry(model, timings, tokenizer)
+        self.registry = Registry(model, timings, tokenizer, checkpoints)
         self.metrics = SchedulerMetrics(self.registry)
         self.join_credential = join_credential  # "": any site may join (a federation on one machine)
         self.rtt_s = dict(rtt_s)
