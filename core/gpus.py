@@ -8,7 +8,7 @@ disagrees with `predict_steady_state` is a bug in the engine, not in these numbe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MODEL_CONTEXT_TOKENS = 131_072  # GPT-OSS-120B context window
 
@@ -28,6 +28,22 @@ class GpuProfile:
     # an operator tuning for MLPerf would pass as --max-running-requests.
     max_running_requests: int
     chunked_prefill_tokens: int = 16384  # SGLang's --chunked-prefill-size on GPUs with >= 160 GB
+
+    def tensor_parallel(self, tp: int) -> GpuProfile:
+        """One worker spanning `tp` GPUs, scaled ideally: the per-sequence, attention and prefill
+        costs split `tp` ways, the KV pool and the batch limit `tp` times one GPU's, the fixed
+        step cost unchanged. Not calibrated (no TP>1 measurement is in REFERENCE.md): the
+        built-in recipes run TP1, one worker per GPU, which is what the models were fitted to."""
+        if tp == 1:
+            return self
+        return replace(
+            self,
+            b_ms=self.b_ms / tp,
+            kappa_ms=self.kappa_ms / tp,
+            rho_ms=self.rho_ms / tp,
+            kv_capacity_tokens=self.kv_capacity_tokens * tp,
+            max_running_requests=self.max_running_requests * tp,
+        )
 
     def step_ms(self, batch: float, context_tokens: float, prefill_tokens: float) -> float:
         """Duration of one step: `a + b·B + κ·ΣL/1000 + ρ·n_prefill` in milliseconds."""

@@ -3,6 +3,16 @@
 Example: `python -m nodes.emulator --profile mi355x --workers 16 --port 30000`.
 It prints one `ready` line on stdout when every port accepts requests and stops
 cleanly on SIGTERM or SIGINT.
+
+It also takes `sglang.launch_server`'s command line, as a site agent's `--launch emulator`
+starts it (one worker per process, core/recipes.py): the flags that change what a worker does
+(`--model-path`, `--served-model-name`, `--tokenizer-path`, `--tp-size`, `--quantization`,
+`--port`, `--stream-interval`, ...) mean what they mean to SGLang; the others (kernels, memory
+fractions, parsers) are accepted and named in one log line. What SGLang learns from the machine
+comes from the environment: the GPU to emulate (FEDERATION_EMULATOR_GPU), the GPUs given to the
+worker (HIP_VISIBLE_DEVICES: fewer than `--tp-size` fails, as on a real host), how long the model
+takes to load (FEDERATION_EMULATOR_LOAD_S: no port answers meanwhile, as SGLang's does not),
+and the emulation's speed and drill faults (FEDERATION_EMULATOR_SPEED, FEDERATION_EMULATOR_FAULTS).
 """
 
 from __future__ import annotations
@@ -10,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import resource
 import sys
 
@@ -22,17 +33,32 @@ from nodes.emulator.worker import Faults, WorkerConfig
 
 log = structlog.get_logger("emulator")
 
+GPU_ENV = "FEDERATION_EMULATOR_GPU"
+SPEED_ENV = "FEDERATION_EMULATOR_SPEED"
+FAULTS_ENV = "FEDERATION_EMULATOR_FAULTS"  # "1": as --enable-faults
+LOAD_ENV = "FEDERATION_EMULATOR_LOAD_S"
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m nodes.emulator",
         description="SGLang-compatible workers with calibrated MI300X / MI355X performance models.",
     )
-    p.add_argument("--profile", choices=sorted(PROFILES), required=True, help="GPU to emulate")
+    p.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=os.environ.get(GPU_ENV) or None,
+        help=f"GPU to emulate (default: ${GPU_ENV})",
+    )
     p.add_argument("--workers", type=runtime.positive_int, default=1, help="GPUs (one port each)")
     p.add_argument("--port", type=int, default=30000, help="first port; worker i gets port+i")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--speed", type=runtime.positive_float, default=1.0, help="0.1 = GPUs ten times slower")
+    p.add_argument(
+        "--speed",
+        type=runtime.positive_float,
+        default=os.environ.get(SPEED_ENV, "1"),  # a string default goes through `type` too
+        help=f"0.1 = GPUs ten times slower (default: ${SPEED_ENV}, else 1)",
+    )
     p.add_argument("--max-running-requests", type=runtime.positive_int, default=None)
     p.add_argument(
         "--mean-output-tokens",
@@ -50,12 +76,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None, help="defaults to --model-path")
     p.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
     p.add_argument("--incremental-streaming-output", action="store_true")
+    p.add_argument(
+        "--tp-size",
+        "--tp",
+        type=runtime.positive_int,
+        default=1,
+        help="GPUs one worker spans; >1 scales the GPU's model ideally (not calibrated: see core/gpus.py)",
+    )
+    p.add_argument("--quantization", default=None, help="reported in /server_info, as SGLang does")
+    p.add_argument("--enable-metrics", action="store_true", help="accepted: this emulator always serves /metrics")
+    p.add_argument(
+        "--load-s",
+        type=runtime.non_negative_float,
+        default=os.environ.get(LOAD_ENV, "0"),
+        help=f"seconds the model takes to load, during which no port answers (default: ${LOAD_ENV}, else 0)",
+    )
     faults = p.add_argument_group("faults (for drills)")
     faults.add_argument(
         "--enable-faults",
         action="store_true",
+        default=os.environ.get(FAULTS_ENV) == "1",
         help="serve POST /_emulator/faults and /_emulator/die, which break this worker for anyone who "
-        "reaches its port (drills only; without it they do not exist)",
+        f"reaches its port (drills only; without it they do not exist; ${FAULTS_ENV}=1 too)",
     )
     faults.add_argument("--slowdown", type=runtime.at_least_one, default=1.0, help="brownout factor")
     faults.add_argument("--unhealthy", action="store_true", help="health checks answer 503")
@@ -66,16 +108,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="close every port and reset connections after this many seconds",
     )
-    args = p.parse_args(argv)
+    args, args.ignored = p.parse_known_args(argv)
+    if args.profile is None:
+        p.error(f"say the GPU to emulate: --profile, or ${GPU_ENV}")
     if not 0 < args.port <= 65535 - args.workers + 1:
         p.error(f"--port {args.port} with --workers {args.workers} runs past port 65535")
+    visible = os.environ.get("HIP_VISIBLE_DEVICES")
+    if visible is not None and len([g for g in visible.split(",") if g.strip()]) < args.tp_size:
+        p.error(f"--tp-size {args.tp_size} needs {args.tp_size} GPUs; HIP_VISIBLE_DEVICES={visible!r} gives fewer")
     return args
 
 
 def worker_configs(args: argparse.Namespace) -> list[WorkerConfig]:
     return [
         WorkerConfig(
-            profile=PROFILES[args.profile],
+            profile=PROFILES[args.profile].tensor_parallel(args.tp_size),
             port=args.port + i,
             host=args.host,
             speed=args.speed,
@@ -86,12 +133,19 @@ def worker_configs(args: argparse.Namespace) -> list[WorkerConfig]:
             max_running_requests=args.max_running_requests,
             stream_interval=args.stream_interval,
             incremental_streaming_output=args.incremental_streaming_output,
+            tp_size=args.tp_size,
+            quantization=args.quantization,
         )
         for i in range(args.workers)
     ]
 
 
 async def serve(args: argparse.Namespace) -> int:
+    if args.ignored:
+        log.info("emulator.flags_ignored", flags=[a for a in args.ignored if a.startswith("-")])
+    if args.load_s:  # SGLang answers on no port until its model is loaded
+        log.info("emulator.loading_model", model_path=args.model_path, seconds=args.load_s)
+        await asyncio.sleep(args.load_s)
     tokens.synthetic_text()  # build once, before the first request pays for it
     harmony.encoding()  # chats are answered in Harmony
     servers = [

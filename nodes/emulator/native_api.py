@@ -234,7 +234,7 @@ def _server_args(worker: EmulatedWorker) -> dict[str, Any]:
         "served_model_name": c.served_model_name,
         "host": c.host,
         "port": c.port,
-        "tp_size": 1,
+        "tp_size": c.tp_size,
         "dp_size": 1,
         "pp_size": 1,
         "context_length": c.context_length,
@@ -247,7 +247,7 @@ def _server_args(worker: EmulatedWorker) -> dict[str, Any]:
         "enable_metrics": True,
         "enable_mixed_chunk": True,
         "enable_dp_attention": False,
-        "quantization": "fp8" if c.profile.name == "mi300x" else "mxfp4",
+        "quantization": c.quantization,
     }
 
 

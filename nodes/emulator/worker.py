@@ -40,6 +40,8 @@ class WorkerConfig:
     stream_interval: int = 1
     context_length: int = MODEL_CONTEXT_TOKENS
     incremental_streaming_output: bool = False
+    tp_size: int = 1  # GPUs the worker spans (its profile is already scaled to them)
+    quantization: str | None = None  # SGLang's --quantization, as /server_info reports it
 
 
 @dataclass(slots=True)
