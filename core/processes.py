@@ -76,7 +76,7 @@ class Child:
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the parent dies, so a parent that is killed (not
     stopped) leaves no orphan behind: no emulator holding ports after its agent is gone."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -117,7 +117,7 @@ def spawn_python(
         stderr=log,
         text=True,
         env=env,
-        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        preexec_fn=die_with_parent if sys.platform == "linux" else None,
     )
     return Child(name, proc, {})
 

@@ -51,6 +51,11 @@ class AgentTimings:
     loop_stall_limit_s: Seconds = 5.0  # a loop silent this long is stuck: the reporter stops, the site goes down
     scheduler_ping_s: Seconds = 1.0  # a ping a scheduler leaves unanswered this long: its link is dead (> round trip)
     shutdown_grace_s: Seconds = 2.0  # in-flight RPCs get this long at shutdown
+    # Launched workers (--launch): a dead one starts again after restart_base_s, doubling while
+    # it dies before coming up, to restart_max_s; at shutdown each gets worker_stop_s to exit.
+    restart_base_s: Seconds = 1.0
+    restart_max_s: Seconds = 60.0
+    worker_stop_s: Seconds = 10.0
 
 
 @dataclass(frozen=True, slots=True, config=_STRICT)

@@ -182,7 +182,7 @@ def _interrupt(*_: object) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     config = load(args.config).with_overrides(port=args.port, speed=args.speed, policy=args.policy)
     token = credential.read_secret(args.join_token_file) if args.join_token_file else ""
-    federation = Federation(config, insecure=args.insecure, join_token=token)
+    federation = Federation(config, insecure=args.insecure, join_token=token, launch=True)
     jobs: queue.Queue = queue.Queue()
     controls = control.ControlServer(control.socket_path(config), _site_controls(federation, jobs))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops us like Ctrl-C, even mid start-up

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO
 
 import grpc
+import yaml
 
 from core import credential, wire
 from core.config import Config, SiteConfig
@@ -46,6 +47,8 @@ class Federation:
         insecure: bool = False,
         join_token: str = "",
         faults: bool = False,
+        launch: bool = False,
+        load_s: float = 0.0,
     ) -> None:
         self.config = _pinging_past_the_links(config)
         self.log = log  # where the processes' log lines go (default: our stderr)
@@ -53,6 +56,12 @@ class Federation:
         # 0 ms (a drill can then drop a replica's packets for everyone: scheduler-blackhole).
         self.scheduler_links = scheduler_links
         self.faults = faults  # the emulated workers serve their drill faults (/_emulator/faults, die)
+        # The sites' agents start their workers as a real site's do (`--launch emulator`: one
+        # process per worker, from the recipes, each taking `load_s` to load), rather than one
+        # emulator process per site (`--emulate`: the benches' and drills' economy).
+        self.launch = launch
+        self.load_s = load_s
+        self._recipes_file: Path | None = None
         self.children: list[Child] = []
         # Where `fedctl` commands on this machine find the operator's certificate.
         self.ca = None if insecure else ThrowawayCa(control.tls_dir(self.config), self.config.host)
@@ -150,6 +159,7 @@ class Federation:
         return [
             *("--host", c.host, "--port", str(port), "--model", c.model, "--policy", c.policy),
             *(["--metrics-port", str(c.scheduler_metrics_port + replica)] if c.scheduler_metrics_port else []),
+            *(a for path in sorted({r.model_path for r in c.recipes.values()}) for a in ("--checkpoint", path)),
             *self._rtt_args(),
             *_timings_args(c.timings.scheduler),
         ]
@@ -201,7 +211,7 @@ class Federation:
                 "--advertise",
                 advertise,
                 *[arg for address in to_schedulers for arg in ("--scheduler", address)],
-                "--emulate",
+                *self._workers_args(),
                 "--speed",
                 str(c.speed),
                 "--emulator-stream-interval",
@@ -214,6 +224,15 @@ class Federation:
             as_=Identity(Role.SITE, site.name),
             wait=wait,
         )
+
+    def _workers_args(self) -> list[str]:
+        """How an agent gets its emulated workers, from the config's recipes."""
+        if self._recipes_file is None:
+            self._recipes_file = Path(tempfile.mkdtemp(prefix="federation-recipes-")) / "recipes.yaml"
+            recipes = {gpu: r.model_dump(mode="json") for gpu, r in self.config.recipes.items()}
+            self._recipes_file.write_text(yaml.safe_dump({"recipes": recipes}))
+        how = ["--launch", "emulator", "--emulator-load-s", str(self.load_s)] if self.launch else ["--emulate"]
+        return [*how, "--recipes", str(self._recipes_file)]
 
     def add_site(self, site: SiteConfig) -> None:
         """A new site joins the running federation (`fedctl site add --emulate`); returns once
@@ -269,6 +288,8 @@ class Federation:
             child.stop()
         if self._metrics_dir:
             shutil.rmtree(self._metrics_dir, ignore_errors=True)
+        if self._recipes_file is not None:
+            shutil.rmtree(self._recipes_file.parent, ignore_errors=True)
         if self.ca is not None:
             self.ca.remove()
         if self.join_token_file is not None:

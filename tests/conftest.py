@@ -73,9 +73,11 @@ def make_federation(tmp_path: Path) -> Iterator:
     """Starts small federations (Korea and the US, 4 GPUs each, speed 10) in-process; stops them after."""
     started: list[Federation] = []
 
-    def make(sites=SITES, insecure: bool = False, faults: bool = False, **options) -> tuple[Federation, Path]:
+    def make(
+        sites=SITES, insecure: bool = False, faults: bool = False, launch: bool = False, **options
+    ) -> tuple[Federation, Path]:
         path, _ = _config(tmp_path, sites, **options)
-        fed = Federation(load(path), insecure=insecure, faults=faults)
+        fed = Federation(load(path), insecure=insecure, faults=faults, launch=launch)
         started.append(fed)
         fed.up()
         return fed, path

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import aiohttp
 import openai
+import psutil
 import pytest
 
-from core import tokens
+from core import tokens, wire
 from core.pki import Identity, Role
 from core.processes import free_port_block, start_python
 from federation import admin
+from federation.drills.faults import poll_until
 from federation.drills.sampler import gateway_counters, site_tokens
 from federation.embedded import Federation
 from tests.conftest import SITES, fedctl
@@ -38,8 +40,15 @@ def _counter(fed: Federation, name: str) -> float:
 async def test_stream_cut_by_a_site_crash_completes_on_the_other_site(make_federation) -> None:
     """A streamed completion whose site is killed mid-answer (agent and workers) goes on from
     the other site: the client's one stream holds exactly the tokens usage reports, all 600 it
-    asked for, and the gateway counts one resumed stream, and the tokens each site wrote."""
+    asked for, and the gateway counts one resumed stream, and the tokens each site wrote. The
+    two sites load the model in two weight formats (their recipes'): the answer resumes by its
+    token ids across them."""
     fed, _ = make_federation(speed=1)
+    formats = {
+        s.name: (s.weight_format, s.checkpoint)
+        for s in admin.fetch_state(fed.config.scheduler_addresses[0], fed.operator).sites
+    }
+    assert formats == {"kr-mi300x": ("fp8", "lmsys/gpt-oss-120b-bf16"), "us-mi355x": ("mxfp4", MODEL)}
     async with openai.AsyncOpenAI(base_url=_endpoint(fed) + "/v1", api_key="unused", max_retries=0) as client:
         raw = await client.completions.with_raw_response.create(
             model=MODEL,
@@ -71,11 +80,15 @@ async def test_stream_cut_by_a_site_crash_completes_on_the_other_site(make_feder
 
 @pytest.mark.timeout(120)
 async def test_streams_cut_by_a_dead_worker_continue_at_the_same_site(make_federation) -> None:
-    """A site whose worker dies mid-answer is not a failed site: its agent stops using the
+    """A site whose worker is killed mid-answer is not a failed site: its agent stops using the
     worker, and the cut streams continue at once on the site's other workers, with exact usage,
-    no retry, and no circuit opened (the one site here could not be avoided anyway)."""
-    fed, _ = make_federation(speed=1, sites=[("us-mi355x", "us-west-2", "mi355x")], faults=True)
+    no retry, and no circuit opened (the one site here could not be avoided anyway). The agent
+    launched its workers (`--launch`, as `fedctl up` does): it starts the dead one again, and
+    the site is back to every worker healthy, its capacity whole."""
+    fed, _ = make_federation(speed=1, sites=[("us-mi355x", "us-west-2", "mi355x")], launch=True)
     site = next(s for s in fed.config.sites if s.name == "us-mi355x")
+    agent = psutil.Process(fed.child("agent us-mi355x").pid)
+    worker = next(p for p in agent.children() if str(site.worker_port) in p.cmdline())
     started = asyncio.Event()
     async with openai.AsyncOpenAI(base_url=_endpoint(fed) + "/v1", api_key="unused", max_retries=0) as client:
 
@@ -99,13 +112,23 @@ async def test_streams_cut_by_a_dead_worker_continue_at_the_same_site(make_feder
 
         answers = asyncio.gather(*(one() for _ in range(6)))
         await started.wait()
-        async with aiohttp.ClientSession() as http:
-            async with http.post(f"http://{fed.config.host}:{site.worker_port}/_emulator/die", json={}) as resp:
-                assert resp.status == 200, await resp.text()
+        worker.kill()
         for text, usage in await answers:
             assert usage == 300 == len(tokens.encode(text))
     assert _counter(fed, "federation_gateway_resumed_total") >= 1
     assert _counter(fed, "federation_gateway_retries_total") == 0
+    assert _counter(fed, "federation_gateway_requests_total{outcome=ok}") == 6  # none failed
+
+    assert poll_until(lambda: _site_state(fed).healthy_workers == 4, 30.0) is not None
+    back = _site_state(fed)  # its capacity is the measured estimate's whole, not 3/4 of it
+    assert (back.total_workers, back.loading_workers, back.status) == (4, 0, wire.SiteStatus.READY)
+    workers = [p.pid for p in agent.children() if "nodes.emulator" in p.cmdline()]
+    assert worker.pid not in workers and len(workers) == 4  # started again
+
+
+def _site_state(fed: Federation, name: str = "us-mi355x") -> wire.SiteState:
+    state = admin.fetch_state(fed.config.scheduler_addresses[0], fed.operator)
+    return next(s for s in state.sites if s.name == name)
 
 
 @pytest.mark.timeout(120)

@@ -18,6 +18,7 @@ from core import wire
 from core.credential import write_secret
 from core.pki import Identity, Role
 from core.processes import PROJECT_ROOT, Child, free_port_block, start_python
+from federation import admin
 from federation.admin import fetch_state
 from federation.drills.faults import poll_until
 from federation.embedded import Federation
@@ -43,14 +44,16 @@ def _agent(fed: Federation, *workers: str, port: int = 0, join: bool = True, cre
     return start_python(f"agent {NEWCOMER}", "nodes.agent", args)
 
 
-def _refused_for(fed: Federation, path: Path, *workers: str, credential: Path | None = None) -> str:
-    """Starts the newcomer, waits until `fedctl status` lists it as refused; the status text."""
+def _refused_for(fed: Federation, path: Path, *workers: str, credential: Path | None = None, why: str = "") -> str:
+    """Starts the newcomer, waits until `fedctl status` lists it as refused (`why` in the
+    reason); the status text."""
     agent = _agent(fed, *workers, credential=credential)
     flags = () if fed.ca else ("--insecure",)
     try:
 
         def refused() -> bool:  # asked in-process: a `fedctl status` costs ~2 s to start
-            return any(r.name == NEWCOMER for r in fetch_state(fed.config.scheduler_addresses[0], fed.operator).refused)
+            refusals = fetch_state(fed.config.scheduler_addresses[0], fed.operator).refused
+            return any(r.name == NEWCOMER and why in r.reason for r in refusals)
 
         assert poll_until(refused, 15.0) is not None
         status = _status(path, *flags).stdout
@@ -93,15 +96,27 @@ def test_a_site_serving_another_model_is_refused(make_federation) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_site_with_another_tokenizer_is_refused(make_federation) -> None:
-    """The same model name over workers that tokenize differently is refused too."""
+def test_a_site_with_another_tokenizer_or_an_unknown_checkpoint_is_refused(make_federation) -> None:
+    """The same model name over workers that tokenize differently is refused too; so are
+    workers that load a checkpoint the federation does not know as its model (the checkpoints
+    of its recipes, in their weight formats, are; the schedulers' --checkpoint adds others)."""
     fed, path = make_federation()
-    workers = launch(["--profile", "mi355x", "--workers", "1", "--speed", "10", "--tokenizer-path", "someone/tok"])
-    try:
-        status = _refused_for(fed, path, "--worker-url", workers.urls[0])
-    finally:
-        workers.stop()
-    assert "tokenizes with 'someone/tok'" in status
+    model = fed.config.model
+    cases = (
+        (["--tokenizer-path", "someone/tok"], "tokenizes with 'someone/tok'"),
+        (
+            ["--model-path", "someone/gpt-oss-120b-int4", "--served-model-name", model, "--tokenizer-path", model],
+            "loads checkpoint 'someone/gpt-oss-120b-int4', which this federation does not know as "
+            "'openai/gpt-oss-120b' (known: lmsys/gpt-oss-120b-bf16, openai/gpt-oss-120b",
+        ),
+    )
+    for flags, why in cases:
+        workers = launch(["--profile", "mi355x", "--workers", "1", "--speed", "10", *flags])
+        try:
+            status = _refused_for(fed, path, "--worker-url", workers.urls[0], why=why)
+        finally:
+            workers.stop()
+        assert why in status
 
 
 def _add_agent(path: Path, port: int, gpus: int = 1) -> subprocess.CompletedProcess:
@@ -143,5 +158,48 @@ def test_an_agent_started_alone_joins_when_an_operator_adds_it(make_federation) 
             )
         assert raw.headers["x-federation-site"] == NEWCOMER and raw.parse().usage.completion_tokens == 20
         assert _add_agent(path, port).returncode == 0
+    finally:
+        agent.stop(10)
+
+
+@pytest.mark.timeout(120)
+def test_a_site_loading_its_model_is_joining_and_gets_no_traffic(make_federation) -> None:
+    """An agent that launches its workers (`--launch emulator`: the recipe's command line, an
+    emulated 5-s model load during which no worker port answers) registers at once: the site is
+    `joining`, its worker loading, its weight format shown, and none of the requests sent
+    meanwhile go to it. Once its worker is up and probed it is ready and serves."""
+    fed, path = make_federation()
+    agent = _agent(fed, "--launch", "emulator", "--emulator-load-s", "5", "--speed", "10")
+    address = fed.config.scheduler_addresses[0]
+
+    def newcomer() -> wire.SiteState | None:
+        return next((s for s in fetch_state(address, fed.operator).sites if s.name == NEWCOMER), None)
+
+    try:
+        assert poll_until(lambda: newcomer() is not None, 10.0) is not None
+        site = newcomer()
+        assert site is not None and site.status is wire.SiteStatus.JOINING, site
+        assert (site.healthy_workers, site.loading_workers, site.weight_format) == (0, 1, "mxfp4")
+        row = next(line for line in _status(path).stdout.splitlines() if line.startswith(NEWCOMER))
+        assert "joining" in row.split() and "mxfp4" in row.split(), row
+        endpoint = fed.config.gateway_url + "/v1"
+        with openai.OpenAI(base_url=endpoint, api_key="unused", max_retries=0) as client:
+            sites = [
+                client.completions.with_raw_response.create(model=fed.config.model, prompt="Hi", max_tokens=4).headers[
+                    "x-federation-site"
+                ]
+                for _ in range(6)
+            ]
+            still = newcomer()
+            assert NEWCOMER not in sites and still is not None and still.status is wire.SiteStatus.JOINING
+            assert still.routed_requests == 0
+            assert poll_until(lambda: newcomer().status is wire.SiteStatus.READY, 30.0) is not None
+            ready = newcomer()
+            assert ready is not None and (ready.healthy_workers, ready.loading_workers) == (1, 0)
+            assert ready.capacity_evidence == "probe"  # registered again with what its probe measured
+            for name in ("kr-mi300x", "us-mi355x"):  # in-process: `fedctl site drain` is tested where it is the point
+                admin.drain(fed.config.scheduler_addresses, fed.operator, name)
+            raw = client.completions.with_raw_response.create(model=fed.config.model, prompt="Hi", max_tokens=4)
+        assert raw.headers["x-federation-site"] == NEWCOMER
     finally:
         agent.stop(10)

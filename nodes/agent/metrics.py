@@ -36,10 +36,13 @@ class _StateCollector(Collector):
         depth = GaugeMetricFamily("federation_agent_queue_depth", "Requests waiting for a worker.", labels=["site"])
         depth.add_metric([site], pool.waiting)
         workers = GaugeMetricFamily(
-            "federation_agent_workers", "The site's workers: health=healthy or total.", labels=["site", "health"]
+            "federation_agent_workers",
+            "The site's workers: health=healthy, loading (launched, not up yet) or total.",
+            labels=["site", "health"],
         )
         workers.add_metric([site, "healthy"], pool.healthy_count)
         workers.add_metric([site, "total"], len(pool.workers))
+        workers.add_metric([site, "loading"], sum(w.loading for w in pool.workers))
         each = GaugeMetricFamily(
             "federation_agent_worker_healthy",
             "1 while the worker passes its health checks.",
@@ -75,6 +78,12 @@ class AgentMetrics:
         self.worker_unreachable = Counter(
             "federation_agent_worker_unreachable",
             "Calls to a worker that could not be made (the request tried on another).",
+            ["site"],
+            registry=self.registry,
+        ).labels(site)
+        self.worker_restarts = Counter(
+            "federation_agent_worker_restarts",
+            "Launched workers started again after their process died (--launch).",
             ["site"],
             registry=self.registry,
         ).labels(site)

@@ -43,6 +43,7 @@ class Worker:
     stats: WorkerStats | None = field(default=None)
     info: WorkerInfo | None = None  # None until /server_info was read
     last_event_at: float = 0.0  # monotonic time of the last stream event any call on it received
+    loading: bool = False  # its process started (`--launch`) and it has not been healthy since
 
     @property
     def incremental(self) -> bool:
@@ -62,8 +63,18 @@ class NoHealthyWorker(Exception):
 
 
 class WorkerPool:
-    def __init__(self, urls: list[str], session: aiohttp.ClientSession, timings: AgentTimings = AgentTimings()) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        session: aiohttp.ClientSession,
+        timings: AgentTimings = AgentTimings(),
+        serves: tuple[str, str] | None = None,
+    ) -> None:
+        """`serves`: the (served model, tokenizer) every worker must say it serves, when the
+        site already registered them (launched workers come up after it did)."""
         self.workers = [Worker(url) for url in urls]
+        self.serves = serves
+        self.any_healthy = asyncio.Event()  # set once some worker has passed a health check
         self.session = session
         self.timings = timings  # the site's, shared with whoever calls the workers
         self._waiters: collections.deque[asyncio.Future[Worker]] = collections.deque()
@@ -140,10 +151,18 @@ class WorkerPool:
             except Exception:  # a bug in one check must not end health checking
                 log.exception("worker.check_failed", worker=worker.url)
 
+    def starting(self, worker: Worker) -> None:
+        """Its process (re)started: nothing it said before holds; it loads until healthy."""
+        self.mark_failed(worker)
+        worker.loading, worker.info, worker.stats, worker.failures = True, None, None, 0
+
     async def _check(self, worker: Worker) -> None:
         checked_at = time.monotonic()
         if worker.info is None:
             worker.info = await sglang.server_info(self.session, worker.url, self.timings.health_timeout_s)
+            if worker.info is not None and not self._serves_ours(worker):
+                worker.info = None  # asked again at its next check: it may be restarted right
+                return
         health, stats = await asyncio.gather(
             sglang.health(self.session, worker.url, self.timings.health_timeout_s),
             sglang.scrape(self.session, worker.url, self.timings.health_timeout_s),
@@ -156,7 +175,8 @@ class WorkerPool:
         if health is sglang.Health.OK and stats is not None and worker.info is not None:
             if not worker.healthy:
                 log.info("worker.healthy", worker=worker.url)
-            worker.healthy, worker.failures = True, 0
+            worker.healthy, worker.failures, worker.loading = True, 0, False
+            self.any_healthy.set()
             self._dispatch()
             return
         if health is not sglang.Health.FAILING and worker.last_event_at >= checked_at:
@@ -172,6 +192,18 @@ class WorkerPool:
             worker.healthy = False
             log.warning("worker.unhealthy", worker=worker.url, failures=worker.failures)
             self._fail_waiters_if_none_healthy()
+
+    def _serves_ours(self, worker: Worker) -> bool:
+        info = worker.info
+        if self.serves is None or info is None or (info.served_model, info.tokenizer) == self.serves:
+            return True
+        log.error(
+            "worker.serves_another_model",
+            worker=worker.url,
+            serves=[info.served_model, info.tokenizer],
+            site_serves=list(self.serves),
+        )
+        return False
 
     def _count_finished(self, before: sglang.WorkerStats | None, now: sglang.WorkerStats) -> None:
         """Add what the worker finished since its last scrape to the site's totals."""

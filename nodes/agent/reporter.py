@@ -75,6 +75,7 @@ class ReportFeed:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._ready = threading.Condition()
         self._pending: wire.SiteReport | None = None  # the next snapshot for the sending thread
+        self._registration: wire.SiteRegistration | None = None  # a new one for the sending thread
         self._closing = False
         self._dead = threading.Event()  # the pipe broke: the reporter process is gone
 
@@ -121,19 +122,28 @@ class ReportFeed:
             self._pending = report
             self._ready.notify()
 
+    def reregister(self, registration: wire.SiteRegistration) -> None:
+        """The site registers again with what it now knows (its join probe's result, once its
+        launched workers came up): before any snapshot offered after this call."""
+        with self._ready:
+            self._registration = registration
+            self._ready.notify()
+
     def _send_forever(self) -> None:
-        """The thread: writes each snapshot to the pipe (blocking only itself when the reporter
-        does not read), until the pipe closes."""
+        """The thread: writes each snapshot (and a new registration, first) to the pipe (blocking
+        only itself when the reporter does not read), until the pipe closes."""
         assert self._conn is not None
         while True:
             with self._ready:
-                while self._pending is None and not self._closing:
+                while self._pending is None and self._registration is None and not self._closing:
                     self._ready.wait()
                 if self._closing:
                     return
-                report, self._pending = self._pending, None
+                sent = [m for m in (self._registration, self._pending) if m is not None]
+                self._registration = self._pending = None
             try:
-                self._conn.send(report)
+                for message in sent:
+                    self._conn.send(message)
             except (OSError, ValueError):  # the reporter died (or we closed the pipe)
                 self._dead.set()
                 return
@@ -160,6 +170,8 @@ class Snapshots:
         self.stall_limit_s = stall_limit_s
         self.conn = conn
         self.latest: wire.SiteReport | None = None
+        self.registration: wire.SiteRegistration | None = None  # the agent's newest, if it sent one
+        self.registration_version = 0
         self.received_at = time.monotonic()
         self._lock = threading.Lock()
         self._unreported: dict[str, list[str]] = {}  # replica address -> request ids
@@ -174,6 +186,12 @@ class Snapshots:
         try:
             while True:
                 snapshot = self.conn.recv()
+                if isinstance(snapshot, wire.SiteRegistration):
+                    with self._lock:
+                        self.registration, self.registration_version = snapshot, self.registration_version + 1
+                        self.urgent_version += 1  # every replica's stream registers it before its next report
+                        self._urgent_changed.notify_all()
+                    continue
                 with self._lock:
                     for ids in self._unreported.values():
                         ids.extend(snapshot.received_ids)
@@ -258,7 +276,8 @@ class Reporter:
     ) -> None:
         self.timings = timings
         self.tls = tls
-        self.registration = registration
+        self.registration = registration  # as the agent started it (`_register`: as it is now)
+        self.draining = registration.draining  # the operator's word, through any replica
         self.snapshots = snapshots
         self.metadata = bearer(credential)
         self._stop = threading.Event()
@@ -294,17 +313,12 @@ class Reporter:
             while not self._stop.is_set():
                 call = None
                 try:
-                    registered = wire.registered_from_pb(
-                        stub.RegisterSite(
-                            wire.registration_to_pb(self.registration),
-                            timeout=self.timings.register_timeout_s,
-                            metadata=self.metadata,
-                        )
-                    )
+                    version = self.snapshots.registration_version
+                    registered = self._register(stub)
                     log.info("reporter.registered", scheduler=scheduler_address, site=registered.site)
                     attempt = 0
                     self.snapshots.follow(scheduler_address)
-                    reports = self._reports(scheduler_address, registered.report_interval_s)
+                    reports = self._reports(scheduler_address, registered.report_interval_s, stub, version)
                     call = stub.Report(reports, metadata=self.metadata)
                     self._calls.add(call)
                     for msg in call:
@@ -314,8 +328,7 @@ class Reporter:
                             self.stop_all()  # removed by an operator: stay away from every replica until restarted
                             return
                         if command.command in (wire.Command.DRAIN, wire.Command.UNDRAIN):
-                            draining = command.command is wire.Command.DRAIN
-                            self.registration = dataclasses.replace(self.registration, draining=draining)
+                            self.draining = command.command is wire.Command.DRAIN
                         # Draining needs nothing else here: the schedulers stop routing to the
                         # site and the agent finishes what it has.
                     if self._stop.is_set():
@@ -337,11 +350,24 @@ class Reporter:
                 delay = min(self.timings.reconnect_max_s, self.timings.reconnect_base_s * 2**attempt)
                 self._stop.wait(delay * random.uniform(0.5, 1.0))
 
-    def _reports(self, scheduler_address: str, interval_s: float) -> Iterator:
+    def _register(self, stub: wire.SchedulerStub) -> wire.Registered:
+        """Register what the agent last said the site is, drained or not as the operator said."""
+        registration = dataclasses.replace(self.snapshots.registration or self.registration, draining=self.draining)
+        pb = wire.registration_to_pb(registration)
+        return wire.registered_from_pb(
+            stub.RegisterSite(pb, timeout=self.timings.register_timeout_s, metadata=self.metadata)
+        )
+
+    def _reports(self, scheduler_address: str, interval_s: float, stub: wire.SchedulerStub, version: int) -> Iterator:
         """One report per interval while the agent's loop is alive, and one at once on an urgent
-        change (its workers' health, a step overrunning); ends the stream when we stop."""
+        change (its workers' health, a step overrunning); a new registration from the agent is
+        registered before the next report; ends the stream when we stop."""
         sent_at, seen = time.monotonic(), self.snapshots.urgent_version
         while not self._stop.is_set():
+            if version != self.snapshots.registration_version:
+                version = self.snapshots.registration_version
+                self._register(stub)  # a failure ends the stream: registered again from the start
+                log.info("reporter.registered_again", scheduler=scheduler_address)
             if self.snapshots.stalled:
                 stalled_s = round(time.monotonic() - self.snapshots.received_at, 1)
                 log.warning("reporter.loop_stalled", stalled_s=stalled_s)

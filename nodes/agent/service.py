@@ -101,6 +101,9 @@ class SiteAgentService(wire.SiteAgentServicer):
         self.session = session
         self.gate = gate
         self.address = address  # what the site registers: where the gateways dial it
+        # Launched workers come up after the site registered: until its join probe ran, the
+        # healthy ones count as loading, so the site stays joining and gets no traffic.
+        self.starting = False
         self.ledger = _Ledger()
         self.delivered = DeliveredRate()
         self.metrics = AgentMetrics(site, pool, self.delivered)
@@ -313,9 +316,13 @@ class SiteAgentService(wire.SiteAgentServicer):
         """The site's load now, with the calls taken since the previous one (handed over once)."""
         received, self.ledger.received_ids = self.ledger.received_ids, []
         stats = [w.stats for w in self.pool.workers if w.healthy and w.stats is not None]
+        healthy, loading = self.pool.healthy_count, sum(w.loading for w in self.pool.workers)
+        if self.starting:
+            healthy, loading = 0, loading + healthy
         return wire.SiteReport(
             site=self.site,
-            healthy_workers=self.pool.healthy_count,
+            healthy_workers=healthy,
+            loading_workers=loading,
             total_workers=len(self.pool.workers),
             running_requests=sum(s.running_requests for s in stats),
             queued_requests=sum(s.queued_requests for s in stats) + self.pool.waiting,

@@ -56,6 +56,8 @@ class WorkerInfo:
     max_running_requests: int | None  # None: the worker does not say; the agent then sets no limit
     served_model: str = ""  # the name it answers to ("": it does not say)
     tokenizer: str = ""
+    checkpoint: str = ""  # the weights it loaded (SGLang's model_path)
+    quantization: str = ""  # SGLang's --quantization ("": none given; the checkpoint's own format)
 
 
 def error_message(body: Any) -> str:
@@ -108,6 +110,8 @@ async def server_info(session: aiohttp.ClientSession, url: str, timeout_s: float
         max_running_requests=limit * dp if isinstance(limit, int) and limit > 0 else None,
         served_model=str(info.get("served_model_name") or model_path),
         tokenizer=str(info.get("tokenizer_path") or model_path),
+        checkpoint=str(model_path),
+        quantization=str(info.get("quantization") or ""),
     )
 
 
