@@ -116,8 +116,8 @@ async def test_limits_hold_across_gateway_processes_and_health_can_move(
     make_federation, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     """Two gateways sharing a limits file: a key's 2 requests a minute are 2 across both. A
-    key added while they run works within a second or two. With --admin-port, /health and
-    /metrics answer there and not on the API's port."""
+    key added while they run works within a second or two; SGLang's info endpoints need one too.
+    With --admin-port, /health and /metrics answer there and not on the API's port."""
     fed, _ = make_federation()
     key_file, limits = tmp_path / "keys.json", str(tmp_path / "limits.sqlite")
     dave = keys.add(key_file, "dave", keys.KeyLimits(rpm=2))
@@ -133,6 +133,13 @@ async def test_limits_hold_across_gateway_processes_and_health_can_move(
         erin = keys.add(key_file, "erin", keys.KeyLimits())
         await asyncio.sleep(1.5)  # each gateway looks at the file once a second
         assert (await _ask(port_two, erin)).usage.completion_tokens == 4
+        for path, key in (("/server_info", "version"), ("/model_info", "model_path"), ("/v1/loads", "loads")):
+            async with http.get(f"http://127.0.0.1:{port_two}{path}") as resp:
+                assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
+            async with http.get(
+                f"http://127.0.0.1:{port_two}{path}", headers={"Authorization": f"Bearer {erin}"}
+            ) as resp:
+                assert resp.status == 200 and key in await resp.json()
 
         async with http.get(f"http://127.0.0.1:{admin_port}/health") as resp:
             assert (await resp.json())["status"] == "ok"

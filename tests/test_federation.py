@@ -13,8 +13,10 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from datetime import datetime
 from pathlib import Path
 
 import aiohttp
@@ -23,6 +25,7 @@ import pytest
 
 from core import tokens
 from core.config import load
+from core.gpus import PROFILES
 from core.mtls import INSECURE
 from core.processes import PROJECT_ROOT, Child, free_port_block, start_python
 from federation import control
@@ -486,3 +489,88 @@ async def test_latency_mode_refuses_what_no_site_can_start_within_its_budget(
         assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] >= 1
     async with http.post(base + "/v1/completions", json=body, headers={"X-TTFT-Budget-Ms": "soon"}) as resp:
         assert resp.status == 400 and "X-TTFT-Budget-Ms" in (await resp.json())["error"]["message"]
+
+
+async def _get_json(http: aiohttp.ClientSession, url: str) -> dict:
+    async with http.get(url) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+async def test_sglang_info_endpoints_answer_for_the_federation(federation, http: aiohttp.ClientSession) -> None:
+    """SGLang's /model_info, /server_info (and their /get_ aliases) and /v1/loads answer in
+    SGLang 0.5.23's keys and types with the federation's values: the served model, one DP rank
+    per site in name order (each naming its site), the ready sites' slots and KV pools (by GPU
+    profile) summed; `dp_rank` picks one site (none past the last), the Prometheus form says the
+    same numbers."""
+    fed, path, ports = federation
+    base = fed.ready["endpoint"].removesuffix("/v1")
+    config = load(path)
+    state = fetch_state(config.scheduler_addresses[0], operator_tls(control.tls_dir(config)) or INSECURE)
+    sites = sorted(state.sites, key=lambda s: s.name)
+    ready = [s for s in sites if s.status.label == "ready" and s.healthy_workers > 0]
+    assert [s.name for s in ready] == ["kr-mi300x", "us-mi355x"]
+
+    for info in [await _get_json(http, base + p) for p in ("/model_info", "/get_model_info")]:
+        assert info["model_path"] == info["served_model_name"] == info["tokenizer_path"] == MODEL
+        assert info["is_generation"] is True and info["model_type"] == "gpt_oss"
+        assert info["architectures"] == ["GptOssForCausalLM"] and info["reasoning_parser"] == "gpt-oss"
+
+    server, alias = [await _get_json(http, base + p) for p in ("/server_info", "/get_server_info")]
+    assert server.keys() == alias.keys()
+    assert server["model_path"] == server["served_model_name"] == server["tokenizer_path"] == MODEL
+    assert server["port"] == ports["gateway"] and isinstance(server["host"], str)
+    assert server["tp_size"] == 1 and server["dp_size"] == len(sites) == len(server["internal_states"])
+    assert server["incremental_streaming_output"] is False and server["stream_interval"] == 1
+    assert server["status"] == "ready" and server["version"] == "0.5.23"
+    assert server["max_running_requests"] == sum(s.slots for s in ready) > 0
+    kv = {s.name: PROFILES[s.gpu].kv_capacity_tokens * s.healthy_workers for s in sites}
+    assert server["max_total_num_tokens"] == sum(kv[s.name] for s in ready)
+    assert server["max_req_input_len"] == 131_072 - 1 - 5  # SGLang's: the context less 1, less 5
+    assert server["federation"]["ready_sites"] == [s.name for s in ready]
+    for rank, (site, internal) in enumerate(zip(sites, server["internal_states"], strict=True)):
+        assert internal["dp_rank"] == rank and internal["federation"]["site"] == site.name
+        assert internal["max_running_requests"] == site.slots and internal["max_total_num_tokens"] == kv[site.name]
+        assert internal["model_path"] == MODEL and internal["federation"]["gpus"] == site.gpus
+
+    loads = await _get_json(http, base + "/v1/loads")
+    assert loads["version"] == "0.5.23" and loads["num_accelerators"] == sum(s.gpus for s in sites) == 2 * GPUS
+    assert datetime.fromisoformat(loads["timestamp"]).tzinfo is not None
+    assert "MI300X" in loads["accelerator"] and "MI355X" in loads["accelerator"]
+    assert [entry["dp_rank"] for entry in loads["loads"]] == list(range(len(sites)))
+    for site, entry in zip(sites, loads["loads"], strict=True):
+        assert entry["federation"]["site"] == site.name and entry["max_running_requests"] == site.slots
+        assert entry["max_total_num_tokens"] == kv[site.name]
+        assert abs(entry["timestamp"] - time.time()) < 30
+        for key in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens"):
+            assert isinstance(entry[key], int) and entry[key] >= 0
+        for key in ("token_usage", "gen_throughput", "cache_hit_rate", "utilization"):
+            assert isinstance(entry[key], float)
+    one = await _get_json(http, base + "/v1/loads?dp_rank=1&include=core,queues")
+    assert [entry["federation"]["site"] for entry in one["loads"]] == [sites[1].name]
+    assert (await _get_json(http, base + "/v1/loads?dp_rank=9"))["loads"] == []
+    async with http.get(base + "/v1/loads?format=prometheus") as resp:
+        text = await resp.text()
+    assert resp.status == 200 and resp.content_type == "text/plain"
+    assert f'sglang_max_running_requests{{dp_rank="1"}} {sites[1].slots}' in text
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ("/v1/loads?include=core,bogus", "include"),
+        ("/v1/loads?dp_rank=first", "dp_rank"),
+        ("/v1/loads?format=xml", "format"),
+        ("/v1/loads?verbose=1", "verbose"),
+        ("/v1/loads?dp_rank=0&dp_rank=1", "dp_rank"),
+        ("/server_info?detail=all", "detail"),
+        ("/model_info?x=1", "x"),
+    ],
+)
+async def test_sglang_info_refuses_a_query_it_does_not_take(federation, http: aiohttp.ClientSession, query, param):
+    """A query parameter the info endpoints do not take, or a value SGLang would refuse, is a 400
+    in OpenAI's shape naming the parameter (SGLang would ignore an unknown one: here it is said)."""
+    fed, _, _ = federation
+    async with http.get(fed.ready["endpoint"].removesuffix("/v1") + query) as resp:
+        error = (await resp.json())["error"]
+    assert resp.status == 400 and error["param"] == param and error["type"] == "invalid_request_error"

@@ -1,4 +1,5 @@
-"""The one endpoint: OpenAI's API and SGLang's /generate over the whole federation.
+"""The one endpoint: OpenAI's API and SGLang's /generate over the whole federation (and
+SGLang's information endpoints, `native_info`).
 
 A request is checked (`jobs`), routed by a scheduler replica (`schedulers`), then streamed
 from the chosen site's agent (`upstream`) — from another site if that one fails
@@ -32,6 +33,7 @@ from federation.gateway.edge import EdgeLimits
 from federation.gateway.failover import FailoverConfig, Generation, SiteBreakers
 from federation.gateway.keys import KeyLimits, Keys
 from federation.gateway.limits import Limiter
+from federation.gateway.native_info import NativeInfo
 from federation.gateway.responses import Answer, Collected, SseClient, WriteBatch, sse
 from federation.gateway.schedulers import Schedulers
 from federation.gateway.upstream import Upstream
@@ -327,6 +329,7 @@ def build_app(config: GatewayConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/generate", generate)
     app.router.add_get("/v1/models", models)
+    NativeInfo(config.model, config.context_tokens, lambda: app[SCHEDULERS_KEY]).add_routes(app.router)
     if config.admin_routes:
         _admin_routes(app)
     return app
