@@ -12,13 +12,13 @@ of the sites that can take work now (ready, with a healthy worker), as `/health`
 
 Everything comes from the state the gateway already watches from the schedulers
 (`schedulers.py`): nothing is asked per request (one GetState only before the first state
-arrives, as `/health` does). Per site, that state says its requests (outstanding, queued), its
-running slots, its workers and GPUs; so `num_running_reqs` is the site's outstanding requests
-less those queued, `max_running_requests` its slots, `utilization` running over slots. The KV
-pool (`max_total_num_tokens`) is the GPU profile's (`core/gpus.py`) times the GPUs of the site's
-healthy workers: declared, not measured. What the state does not carry is 0 and named in
-`federation.unreported`: the sites' KV tokens in use, their generation throughput, their cache
-hit rate (their reports have the first two; the schedulers' state does not pass them on yet).
+arrives, as `/health` does). Per site, that state says what its workers last reported of their
+load (requests running, KV tokens in use and the pool's share of them, generation throughput),
+its requests waiting, its running slots, its workers and GPUs; `utilization` is running over
+slots. The KV pool (`max_total_num_tokens`) is the GPU profile's (`core/gpus.py`) times the GPUs
+of the site's healthy workers: declared, not measured. What no report carries is 0 and named in
+`federation.unreported`: the tokens waiting to be prefilled (`num_total_tokens` is the used
+ones only) and the prefix cache's hit rate.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from core.sglang_info import Load, ServerArgs
 from federation.gateway.schedulers import Schedulers
 
 # Numbers SGLang reports that the federation's state does not carry: answered as 0.
-UNREPORTED = ("num_used_tokens", "num_total_tokens", "token_usage", "gen_throughput", "cache_hit_rate")
+UNREPORTED = ("num_total_tokens", "cache_hit_rate")
 PARSER = "gpt-oss"  # the gateway renders and parses Harmony as SGLang's gpt-oss parsers do
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -73,7 +73,7 @@ class Site:
 
     @property
     def running(self) -> int:
-        return max(0, self.state.outstanding_requests - self.state.queued_requests)
+        return self.state.running_requests
 
     def summary(self) -> dict[str, Any]:
         """The site as the federation knows it (no addresses: an API key holder reads this)."""
@@ -83,6 +83,8 @@ class Site:
             "region": s.region,
             "gpu": s.gpu,
             "gpus": s.gpus,
+            "checkpoint": s.checkpoint,
+            "weight_format": s.weight_format,
             "status": s.status.label,
             "healthy_workers": s.healthy_workers,
             "total_workers": s.total_workers,
@@ -104,7 +106,11 @@ class Site:
             timestamp=self.report_unix_s,
             num_running_reqs=self.running,
             num_waiting_reqs=s.queued_requests,
+            num_used_tokens=s.context_tokens,
+            num_total_tokens=s.context_tokens,
             max_total_num_tokens=self.kv_tokens,
+            token_usage=s.kv_usage,
+            gen_throughput=s.gen_throughput_tok_s,
             utilization=self.running / s.slots if s.slots else 0.0,
             max_running_requests=s.slots,
             extra={"federation": self.summary()},
@@ -148,7 +154,7 @@ class NativeInfo:
                 "max_total_num_tokens": s.kv_tokens,
                 "max_running_requests": s.state.slots,
                 "effective_max_running_requests_per_dp": s.state.slots,
-                "last_gen_throughput": 0.0,  # unreported
+                "last_gen_throughput": s.state.gen_throughput_tok_s,
                 "memory_usage": {"token_capacity": s.kv_tokens},
                 "federation": s.summary(),
             }
