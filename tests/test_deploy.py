@@ -194,6 +194,22 @@ def test_recipe_files_load_over_the_built_in_ones() -> None:
         assert parse_recipes(raw, config_map["metadata"]["name"]) == DEFAULT_RECIPES
 
 
+def test_guide_shows_the_built_in_recipes_as_they_are() -> None:
+    """docs/REAL_GPUS.md's table of the built-in recipes says what core/recipes.py holds: each
+    GPU type's checkpoint, weight format, flags, environment and image."""
+    rows = {}
+    for line in GUIDE.read_text().splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if cells[0] in DEFAULT_RECIPES:
+            rows[cells[0]] = cells[1:]
+    assert rows.keys() == DEFAULT_RECIPES.keys()
+    for gpu, recipe in DEFAULT_RECIPES.items():
+        checkpoint, weights, flags, env, image = rows[gpu]
+        assert weights.upper().startswith(recipe.weight_format.upper()), gpu
+        assert (checkpoint, flags, image) == (recipe.model_path, " ".join(recipe.args), recipe.image), gpu
+        assert env == " ".join(f"{k}={v}" for k, v in recipe.env.items()), gpu
+
+
 # --- deploy/k8s ---------------------------------------------------------------------------------
 
 
