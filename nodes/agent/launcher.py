@@ -87,18 +87,18 @@ class Launcher:
         """The workers' URLs, one per `recipe.gpus_per_worker` GPUs; RecipeError if they do not split."""
         return [f"http://{host}:{first_port + i}" for i in range(recipe.workers(gpus))]
 
-    @property
-    def loading(self) -> int:
-        return sum(c.worker.loading for c in self.children)
-
     def start(self) -> None:
         """Start every worker and keep them running until `stop`."""
         self._tasks = [asyncio.ensure_future(self._keep_running(c)) for c in self.children]
 
     async def _keep_running(self, child: Launched) -> None:
         while not self._stopping:
-            await self._spawn(child)
-            came_up = await self._watch(child)
+            try:
+                await self._spawn(child)
+                came_up = await self._watch(child)
+            except OSError as exc:  # could not start it at all (no memory, no such program)
+                log.error("worker.launch_failed", worker=child.worker.url, error=str(exc))
+                came_up = False
             if self._stopping:
                 return
             child.failures_in_a_row = 0 if came_up else child.failures_in_a_row + 1
