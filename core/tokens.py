@@ -17,8 +17,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
-import bpe_openai
+if TYPE_CHECKING:
+    import bpe_openai
 
 # Harmony special tokens of o200k_harmony (ids from the gpt-oss tokenizer).
 HARMONY_SPECIALS: Mapping[str, int] = {
@@ -49,6 +51,10 @@ class PromptTooLong(ValueError):
 
 @cache
 def _encoding() -> bpe_openai.Encoding:
+    # Imported here: `import bpe_openai` alone takes ~0.5 s (it loads several vocabularies), and
+    # most processes that import this module (fedctl, the agent) never tokenize.
+    import bpe_openai
+
     return bpe_openai.get_encoding("o200k_base")
 
 
@@ -57,6 +63,8 @@ def encode(text: str, limit: int | None = None) -> list[int]:
     `limit`, raises PromptTooLong as soon as the pieces encoded so far are over it: a chat of many
     long messages costs at most the limit and one message to refuse, not all of it."""
     enc = _encoding()
+    import bpe_openai  # loaded by `_encoding` (see there why not at the top)
+
     ids: list[int] = []
     start = 0
     for special in itertools.chain(_SPECIAL_SPLIT.finditer(text), [None]):  # lazily: a refusal ends the scan
