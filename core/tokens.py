@@ -17,8 +17,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
-import bpe_openai
+if TYPE_CHECKING:
+    import bpe_openai
 
 # Harmony special tokens of o200k_harmony (ids from the gpt-oss tokenizer).
 HARMONY_SPECIALS: Mapping[str, int] = {
@@ -37,6 +39,7 @@ EOS_TOKEN_IDS = (200002, 200012, 199999)  # <|return|>, <|call|>, <|endoftext|>
 _SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in HARMONY_SPECIALS) + ")")
 
 SYNTHETIC_STREAM_TOKENS = 1 << 16  # length of the repeating synthetic output stream
+_SYNTHETIC_WORD = re.compile(rb" [a-z]{3,9}")  # compiled once: it is tried on all ~200 k tokens
 
 
 # bpe-openai refuses to encode a piece this long; ~250 k tokens of prose, far past any context.
@@ -49,6 +52,10 @@ class PromptTooLong(ValueError):
 
 @cache
 def _encoding() -> bpe_openai.Encoding:
+    # Imported here: `import bpe_openai` alone takes ~0.5 s (it loads several vocabularies), and
+    # most processes that import this module (fedctl, the agent) never tokenize.
+    import bpe_openai
+
     return bpe_openai.get_encoding("o200k_base")
 
 
@@ -57,6 +64,8 @@ def encode(text: str, limit: int | None = None) -> list[int]:
     `limit`, raises PromptTooLong as soon as the pieces encoded so far are over it: a chat of many
     long messages costs at most the limit and one message to refuse, not all of it."""
     enc = _encoding()
+    import bpe_openai  # loaded by `_encoding` (see there why not at the top)
+
     ids: list[int] = []
     start = 0
     for special in itertools.chain(_SPECIAL_SPLIT.finditer(text), [None]):  # lazily: a refusal ends the scan
@@ -122,17 +131,14 @@ def synthetic_text(max_window: int = 140_000) -> SyntheticText:
     words = [
         (token_id, raw.decode())
         for token_id, raw in enumerate(enc.token_byte_values())
-        if re.fullmatch(rb" [a-z]{3,9}", raw) and enc.encode_ordinary(raw.decode()) == [token_id]
+        if _SYNTHETIC_WORD.fullmatch(raw) and enc.encode_ordinary(raw.decode()) == [token_id]
     ]
     rng = random.Random(20_260_101)  # fixed: the same text on every worker and every run
     period = max(SYNTHETIC_STREAM_TOKENS, max_window)
     chosen = [rng.choice(words) for _ in range(period)]
     chosen += chosen[:max_window]  # a window may wrap past the period
-    starts = [0]
-    for _, piece in chosen:
-        starts.append(starts[-1] + len(piece))
     return SyntheticText(
         ids=tuple(t for t, _ in chosen),
         text="".join(p for _, p in chosen),
-        char_starts=tuple(starts),
+        char_starts=tuple(itertools.accumulate((len(p) for _, p in chosen), initial=0)),
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib
 import json
 import queue
 import signal
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -35,13 +37,21 @@ from core.config import ConfigError, SiteConfig, load
 from core.gpus import PROFILES
 from core.policy import POLICIES
 from core.processes import StartFailed, free_port_block
-from federation import admin, control, fuzz, status_view, watch
-from federation.bench import run as bench
-from federation.dashboard import server as dashboard
-from federation.drills import run as drills
-from federation.embedded import Federation
-from federation.gateway import keys
+from federation import admin, control, status_view, watch
 from federation.throwaway_ca import operator_tls
+
+if TYPE_CHECKING:
+    from federation.embedded import Federation
+
+# The commands that start their own federation and load it (bench, drill, fuzz): their modules
+# bring load generators, plots and hypothesis (~1 s of imports), so each is imported, and its
+# arguments defined, only when it is the command given; `fedctl status` and the other short
+# commands, which tests and drills run dozens of times, start without them.
+MEASURES = {
+    "bench": ("federation.bench.run", "measure the federation, its sites alone and the peers"),
+    "drill": ("federation.drills.run", "inject a fault under load and measure what it cost"),
+    "fuzz": ("federation.fuzz", "send generated hostile requests while valid traffic flows"),
+}
 
 CA_DIR = Path("federation-ca")  # `fedctl ca`'s directory unless --dir says another
 KEYS_FILE = Path("federation-keys.json")  # `fedctl keys`' file unless --file says another
@@ -141,9 +151,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_key.add_argument(
         "--max-concurrent", type=runtime.positive_int, default=0, help="requests at once (default: no limit)"
     )
-    bench.add_arguments(sub.add_parser("bench", help="measure the federation, its sites alone and the peers"))
-    drills.add_arguments(sub.add_parser("drill", help="inject a fault under load and measure what it cost"))
-    fuzz.add_arguments(sub.add_parser("fuzz", help="send generated hostile requests while valid traffic flows"))
+    given = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
+    for command, (module, text) in MEASURES.items():
+        measure = sub.add_parser(command, help=text)
+        if command == given:  # see MEASURES
+            importlib.import_module(module).add_arguments(measure)
     return p.parse_args(argv)
 
 
@@ -180,6 +192,8 @@ def _interrupt(*_: object) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from federation.embedded import Federation  # here: the gateway's and agents' modules, not needed by the others
+
     config = load(args.config).with_overrides(port=args.port, speed=args.speed, policy=args.policy)
     token = credential.read_secret(args.join_token_file) if args.join_token_file else ""
     federation = Federation(config, insecure=args.insecure, join_token=token, launch=True)
@@ -332,6 +346,8 @@ async def _print_updates(args: argparse.Namespace, addresses: list[str], operato
 def cmd_dashboard(args: argparse.Namespace) -> int:
     """Serve the page until Ctrl-C; it watches the schedulers `fedctl status` asks, with the
     same operator certificate."""
+    from federation.dashboard import server as dashboard  # here: aiohttp's server, needed by this command only
+
     config = load(args.config)
     gateway = (args.gateway or config.gateway_url).rstrip("/").removesuffix("/metrics").removesuffix("/v1")
     settings = dashboard.DashboardConfig(
@@ -458,6 +474,8 @@ def cmd_ca(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
+    from federation.gateway import keys  # here: the gateway's package, needed by this command only
+
     limits = keys.KeyLimits(rpm=args.rpm, tpm=args.tpm, max_concurrent=args.max_concurrent)
     try:
         key = keys.add(args.file, args.name, limits)
@@ -476,7 +494,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     """bench, drill and fuzz: long runs that start their own federation."""
     signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: every process the run started stops too
     try:
-        return {"bench": bench.main, "drill": drills.main, "fuzz": fuzz.main}[args.command](args)
+        return importlib.import_module(MEASURES[args.command][0]).main(args)
     except KeyboardInterrupt:
         print(f"fedctl {args.command}: interrupted", file=sys.stderr)
         return 130

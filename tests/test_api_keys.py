@@ -51,9 +51,9 @@ async def _ask(port: int, key: str, max_tokens: int = 4) -> openai.types.Complet
 
 @pytest.mark.timeout(150)
 async def test_keys_are_checked_and_limited_before_any_site_is_asked(
-    make_federation, tmp_path: Path, capfd, http: aiohttp.ClientSession
+    shared_federation, tmp_path: Path, capfd, http: aiohttp.ClientSession
 ) -> None:
-    fed, _ = make_federation()
+    fed, _ = shared_federation
     key_file = tmp_path / "keys.json"
     alice = keys.add(key_file, "alice", keys.KeyLimits(rpm=3))
     bob = keys.add(key_file, "bob", keys.KeyLimits(tpm=100))
@@ -113,12 +113,12 @@ async def test_keys_are_checked_and_limited_before_any_site_is_asked(
 
 @pytest.mark.timeout(120)
 async def test_limits_hold_across_gateway_processes_and_health_can_move(
-    make_federation, tmp_path: Path, http: aiohttp.ClientSession
+    shared_federation, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     """Two gateways sharing a limits file: a key's 2 requests a minute are 2 across both. A
     key added while they run works within a second or two; SGLang's info endpoints need one too.
     With --admin-port, /health and /metrics answer there and not on the API's port."""
-    fed, _ = make_federation()
+    fed, _ = shared_federation
     key_file, limits = tmp_path / "keys.json", str(tmp_path / "limits.sqlite")
     dave = keys.add(key_file, "dave", keys.KeyLimits(rpm=2))
     admin_port = free_port_block(1)

@@ -88,19 +88,20 @@ def test_a_site_without_the_credential_is_refused_by_a_plaintext_federation(make
 
 
 @pytest.mark.timeout(120)
-def test_a_site_serving_another_model_is_refused(make_federation) -> None:
+def test_a_site_serving_another_model_is_refused(shared_federation) -> None:
     """Workers that serve another model: the agent registers what they serve, and is refused."""
-    fed, path = make_federation()
-    status = _refused_for(fed, path, "--emulate", "--speed", "10", "--model", "someone/other-model")
-    assert "serves 'someone/other-model', but this federation serves 'openai/gpt-oss-120b'" in status
+    fed, path = shared_federation
+    why = "serves 'someone/other-model', but this federation serves 'openai/gpt-oss-120b'"
+    status = _refused_for(fed, path, "--emulate", "--speed", "10", "--model", "someone/other-model", why=why)
+    assert why in status
 
 
 @pytest.mark.timeout(120)
-def test_a_site_with_another_tokenizer_or_an_unknown_checkpoint_is_refused(make_federation) -> None:
+def test_a_site_with_another_tokenizer_or_an_unknown_checkpoint_is_refused(shared_federation) -> None:
     """The same model name over workers that tokenize differently is refused too; so are
     workers that load a checkpoint the federation does not know as its model (the checkpoints
     of its recipes, in their weight formats, are; the schedulers' --checkpoint adds others)."""
-    fed, path = make_federation()
+    fed, path = shared_federation
     model = fed.config.model
     cases = (
         (["--tokenizer-path", "someone/tok"], "tokenizes with 'someone/tok'"),

@@ -154,7 +154,9 @@ async def _emitted(http: aiohttp.ClientSession, url: str) -> int:
 
 
 async def _progress(label: str, window: Window, until: float) -> None:
-    while time.monotonic() < until:
+    """A line every PROGRESS_EVERY_S while the run has longer than that to go (it returns
+    then: the runs wait for it, and a short run must not wait out a whole period)."""
+    while until - time.monotonic() > PROGRESS_EVERY_S:
         await asyncio.sleep(PROGRESS_EVERY_S)
         print(f"[{label}] {len(window.completions)} completed in the window so far", file=sys.stderr, flush=True)
 

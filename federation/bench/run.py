@@ -197,7 +197,7 @@ def _offline(endpoint: str, samples: Sequence[Sample], args: argparse.Namespace,
 
 
 def _server(endpoint: str, samples, args: argparse.Namespace, speed: float, label: str, rate: float) -> dict:
-    plan = scenarios.server_plan(samples, rate, speed=speed, seed=args.seed)
+    plan = scenarios.server_plan(samples, rate, speed=speed, seed=args.seed, max_in_flight=args.max_in_flight)
     results = scenarios.run_plan(endpoint, plan, args.max_in_flight, f"{label} server {rate:.1f}/s")
     summary = {
         **scenarios.summarize(results, scenario="server", policy=label, speed=speed),

@@ -41,7 +41,10 @@ PER_PROCESS_IN_FLIGHT = 15_000
 # queue at every site: Offline means every GPU always has work.
 MAX_IN_FLIGHT = 24_000
 FIRST_WAVE_S = 1.0  # requests sent this soon after the start (wall s) make up the opening burst
-START_DELAY_S = 3.0  # Server: lets every client process start before the first arrival
+START_DELAY_S = 3.0  # lets every client process start before the first arrival (or the warm-up)
+# A run whose open requests fit in one client process runs in this one and starts no other: it
+# waits only for its session and one /v1/models before the first arrival.
+IN_PROCESS_START_DELAY_S = 1.0
 # MLPerf gpt-oss-120b Server limits, GPU time.
 TTFT_LIMIT_MS = 3000.0
 TPOT_LIMIT_MS = 80.0
@@ -60,10 +63,24 @@ def offline_plan(samples: Sequence[Sample]) -> list[Planned]:
     return [Planned(s, None) for s in sorted(samples, key=lambda s: s.output_tokens, reverse=True)]
 
 
-def server_plan(samples: Sequence[Sample], rate_per_s: float, *, speed: float, seed: int) -> list[Planned]:
-    """Poisson arrivals at `rate_per_s` (GPU time) starting a moment from now."""
+def client_processes(max_in_flight: int) -> int:
+    """How many processes send a run with this many requests open at once (1: this one)."""
+    return max(1, math.ceil(max_in_flight / PER_PROCESS_IN_FLIGHT))
+
+
+def start_delay_s(max_in_flight: int) -> float:
+    """From now until a run's first arrival (Server) or its warm-up's start (sustained): time for
+    the client processes it needs to start, and no more when it needs none."""
+    return START_DELAY_S if client_processes(max_in_flight) > 1 else IN_PROCESS_START_DELAY_S
+
+
+def server_plan(
+    samples: Sequence[Sample], rate_per_s: float, *, speed: float, seed: int, max_in_flight: int
+) -> list[Planned]:
+    """Poisson arrivals at `rate_per_s` (GPU time) starting once the run's clients can send
+    (`start_delay_s`)."""
     rng = random.Random(seed)
-    due, plan = time.monotonic() + START_DELAY_S, []
+    due, plan = time.monotonic() + start_delay_s(max_in_flight), []
     for sample in samples:
         due += rng.expovariate(rate_per_s * speed)
         plan.append(Planned(sample, due))
@@ -73,7 +90,7 @@ def server_plan(samples: Sequence[Sample], rate_per_s: float, *, speed: float, s
 def run_plan(endpoint: str, plan: Sequence[Planned], max_in_flight: int, label: str) -> list[Result]:
     """Send the plan, at most `max_in_flight` open at once, from as many processes as the
     file-descriptor limit asks for (each takes every k-th request, so order and arrivals hold)."""
-    parts = max(1, math.ceil(max_in_flight / PER_PROCESS_IN_FLIGHT))
+    parts = client_processes(max_in_flight)
     if parts == 1:
         return asyncio.run(_drive(endpoint, plan, max_in_flight, label, 0))
     jobs = [(endpoint, plan[i::parts], math.ceil(max_in_flight / parts), label, i) for i in range(parts)]
@@ -135,11 +152,11 @@ def run_sustained(
     answers read to the end). Returns every result and the window (time.monotonic(), shared by
     every client process), which `on_window` hears of before the clients start. With
     `stream_interval` every request asks for the worker's own chunks (see client.body)."""
-    start = time.monotonic() + START_DELAY_S + sustain.warmup_s / speed
+    start = time.monotonic() + start_delay_s(open_requests) + sustain.warmup_s / speed
     window = (start, start + sustain.window_s / speed)
     if on_window is not None:
         on_window(window)
-    parts = max(1, math.ceil(open_requests / PER_PROCESS_IN_FLIGHT))
+    parts = client_processes(open_requests)
     lanes = math.ceil(open_requests / parts)
     cut_at = window[1] if sustain.cut_at_end else None
     clients = [

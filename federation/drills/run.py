@@ -325,7 +325,7 @@ def _drill(target: Target, args: argparse.Namespace, site: str, samples) -> dict
     thread = threading.Thread(target=load, name="drill load", daemon=True)
     started = time.monotonic()
     thread.start()
-    fault_at = started + scenarios.START_DELAY_S + args.warmup_s + args.before_s
+    fault_at = started + scenarios.start_delay_s(args.open_requests) + args.warmup_s + args.before_s
     time.sleep(max(0.0, fault_at - time.monotonic()))
     counters_before = gateway_counters(target.metrics_url)
     fault.before = target.site_states().get(site)
