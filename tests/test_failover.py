@@ -89,7 +89,9 @@ async def test_streams_cut_by_a_dead_worker_continue_at_the_same_site(make_feder
     site = next(s for s in fed.config.sites if s.name == "us-mi355x")
     agent = psutil.Process(fed.child("agent us-mi355x").pid)
     worker = next(p for p in agent.children() if str(site.worker_port) in p.cmdline())
-    started = asyncio.Event()
+    # Ready once one worker is up and probed; every stream must find this one up too.
+    assert poll_until(lambda: _site_state(fed).healthy_workers == 4, 30.0) is not None
+    started, begun = asyncio.Event(), set()  # every stream has its first tokens: none is retried
     async with openai.AsyncOpenAI(base_url=_endpoint(fed) + "/v1", api_key="unused", max_retries=0) as client:
 
         async def one() -> tuple[str, int]:
@@ -105,7 +107,9 @@ async def test_streams_cut_by_a_dead_worker_continue_at_the_same_site(make_feder
             async for event in stream:
                 if event.choices:
                     text += event.choices[0].text
-                    started.set()
+                    begun.add(id(stream))
+                    if len(begun) == 6:
+                        started.set()
                 if event.usage:
                     usage = event.usage.completion_tokens
             return text, usage
