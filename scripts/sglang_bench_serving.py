@@ -44,7 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 STUBS = Path(__file__).resolve().parent / "sglang_stubs"
 MODEL = "openai/gpt-oss-120b"
 GATEWAY_TOKENS = "federation_gateway_output_tokens_total"  # by site: summed
-READY_WAIT_S = 60.0  # the gateway answers /v1/models within this long
+READY_WAIT_S = 60.0  # the gateway can serve (GET /health: 200, a site ready) within this long
 
 # o200k_base's pre-tokenizer pattern (tiktoken's), and the special tokens gpt-oss's tokenizer
 # (o200k_harmony) adds after o200k_base's 199,998 ranks, at its ids.
@@ -138,12 +138,14 @@ def gateway_tokens(base_url: str) -> float:
 
 
 def wait_ready(base_url: str) -> None:
+    """Until /health answers 200 (the gateway: 503 until a site is ready; SGLang: until loaded).
+    bench_serving's own check asks /v1/models, which the gateway answers before any site is ready."""
     deadline = time.monotonic() + READY_WAIT_S
     while True:
         try:
-            with urllib.request.urlopen(base_url + "/v1/models", timeout=5):
+            with urllib.request.urlopen(base_url + "/health", timeout=5):
                 return
-        except OSError:
+        except OSError:  # refused, or an HTTP error status
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.25)
