@@ -21,10 +21,9 @@ from federation import admin
 from federation.admin import fetch_state
 from federation.drills.faults import poll_until
 from federation.embedded import Federation
+from tests.conftest import KOREAN
 from tests.test_failover import SITES
 from tests.test_federation import MODEL, _config
-
-KOREAN = {"X-Client-Region": "ap-northeast-2"}  # the WAN term sends these to the Korean site
 
 
 def _fedctl(path: Path, *args: str) -> asyncio.Task:

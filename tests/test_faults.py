@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
 
 from nodes.emulator.launch import EmulatorProcess as Emulator
 from nodes.emulator.launch import launch
+from tests.conftest import FAST
 
 BODY = {"text": "drill", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
 
@@ -77,16 +79,25 @@ async def test_die_resets_streams_and_closes_the_port(fresh_worker: Emulator, ht
             pass
 
 
+@pytest.fixture(scope="module")
+def refusing_worker() -> Iterator[Emulator]:
+    """A worker with fault endpoints that only refused requests reach: each must leave it as
+    it was, so one serves every case (a case that changed it fails at once, and so do the next)."""
+    emu = launch(["--profile", "mi300x", "--workers", "1", "--speed", FAST, "--enable-faults"])
+    yield emu
+    emu.stop()
+
+
 @pytest.mark.parametrize(
     "faults",
     [{"slowdown": 0.5}, {"slowdown": "fast"}, {"hang": "yes"}, {"explode": True}],
     ids=["slowdown-below-1", "slowdown-type", "hang-type", "unknown-fault"],
 )
-async def test_bad_fault_requests_are_refused(fresh_worker: Emulator, http: aiohttp.ClientSession, faults) -> None:
+async def test_bad_fault_requests_are_refused(refusing_worker: Emulator, http: aiohttp.ClientSession, faults) -> None:
     """The fault endpoint refuses bad input with a 400 and changes nothing."""
-    resp = await _faults(http, fresh_worker.urls[0], **faults)
+    resp = await _faults(http, refusing_worker.urls[0], **faults)
     assert resp.status == 400
-    async with http.get(fresh_worker.urls[0] + "/_emulator/state") as state:
+    async with http.get(refusing_worker.urls[0] + "/_emulator/state") as state:
         assert (await state.json())["faults"] == {
             "slowdown": 1.0,
             "unhealthy": False,

@@ -110,8 +110,8 @@ def _status(path: Path) -> dict:
 
 
 def _routed(path: Path) -> int:
-    """Requests the schedulers have routed, asked in-process (a `fedctl status` costs ~2 s of
-    start-up: the bad-request cases ask twice each)."""
+    """Requests the schedulers have routed, asked in-process (a `fedctl status` is a process start,
+    ~0.3 s of CPU: the bad-request cases ask twice each)."""
     config = load(path)
     state = fetch_state(config.scheduler_addresses[0], operator_tls(control.tls_dir(config)) or INSECURE)
     return sum(s.routed_requests for s in state.sites)

@@ -51,7 +51,7 @@ def _refused_for(fed: Federation, path: Path, *workers: str, credential: Path | 
     flags = () if fed.ca else ("--insecure",)
     try:
 
-        def refused() -> bool:  # asked in-process: a `fedctl status` costs ~2 s to start
+        def refused() -> bool:  # asked in-process: a `fedctl status` is a process start
             refusals = fetch_state(fed.config.scheduler_addresses[0], fed.operator).refused
             return any(r.name == NEWCOMER and why in r.reason for r in refusals)
 

@@ -26,7 +26,7 @@ from tests.conftest import SITES, fedctl
 from tests.test_federation import _config
 
 INTERVAL_S = 0.5
-FIRST_OUTPUT_S = 30.0  # fedctl imports the bench and drills too: seconds on a busy machine
+FIRST_OUTPUT_S = 30.0  # fedctl's start and its first state: seconds on a busy machine
 TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d$")
 
 

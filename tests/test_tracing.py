@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from core import tracing
-from tests.conftest import SITES
+from tests.conftest import KOREAN, SITES
 from tests.test_federation import MODEL
 
 Span = dict[str, Any]
@@ -132,7 +132,7 @@ async def test_a_stream_resumed_on_another_site_is_a_second_attempt_in_the_same_
     """A stream whose site is killed mid-answer (agent and workers) is resumed on the other site:
     the same trace holds both attempts, the first failed at the killed site, the second a resume
     (tokens already sent) at the other, whose agent's generation is that attempt's child. (The
-    killed agent's own spans die with it.)"""
+    killed agent's own spans die with it. A Korean client: the slower site is the one killed.)"""
     fed, _ = make_federation(speed=1)
     request_id = "trace-resumed-request"
     async with openai.AsyncOpenAI(base_url=fed.config.gateway_url + "/v1", api_key="unused", max_retries=0) as client:
@@ -142,7 +142,7 @@ async def test_a_stream_resumed_on_another_site_is_a_second_attempt_in_the_same_
             max_tokens=200,
             stream=True,
             extra_body={"ignore_eos": True},
-            extra_headers={"X-Request-Id": request_id},
+            extra_headers={"X-Request-Id": request_id, **KOREAN},
         )
         killed = raw.headers["x-federation-site"]
         text = ""

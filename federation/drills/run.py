@@ -206,11 +206,9 @@ def main(args: argparse.Namespace) -> int:
     for name, default in zip(("warmup_s", "before_s", "after_s"), defaults.windows_s, strict=True):
         if getattr(args, name) is None:
             setattr(args, name, default)
-    output = dataclasses.replace(DRILL_OUTPUT_TOKENS, mean=args.output_mean)
-    samples = WorkloadSpec(4 * args.open_requests, args.seed, MLPERF_LIKE_PROMPTS, output).samples()
     site = args.site or DEFAULT_SITE.get(args.scenario, REMOTE_SITE)
     try:
-        report = (_drill_endpoint if args.endpoint else _drill_embedded)(args, site, samples)
+        report = (_drill_endpoint if args.endpoint else _drill_embedded)(args, site)
     except DrillError as exc:
         print(f"fedctl drill: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, DrillRefused) else 1
@@ -237,7 +235,7 @@ def _refusal(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _drill_embedded(args: argparse.Namespace, site: str, samples) -> dict[str, Any]:
+def _drill_embedded(args: argparse.Namespace, site: str) -> dict[str, Any]:
     args.speed = args.speed or defaults_for(args.scenario).speed
     config = drill_config(args)
     _check_site(args, site, {s.name for s in config.sites})
@@ -250,7 +248,7 @@ def _drill_embedded(args: argparse.Namespace, site: str, samples) -> dict[str, A
         )
         try:
             federation.up()
-            return _drill(Target.embedded(federation), args, site, samples)
+            return _drill(Target.embedded(federation), args, site)
         finally:
             federation.down()
 
@@ -274,7 +272,7 @@ def _by_schedulers_clock(fault: Fault, fault_at: float, polled_s: float | None) 
 SECOND_MARKS = {"scheduler-crash": "all schedulers killed", "scheduler-blackhole": "all schedulers blackholed"}
 
 
-def _drill_endpoint(args: argparse.Namespace, site: str, samples) -> dict[str, Any]:
+def _drill_endpoint(args: argparse.Namespace, site: str) -> dict[str, Any]:
     """An operator's federation: its gateway, its schedulers (named, or as the gateway names
     them), broken by the operator's commands."""
     args.speed = args.speed or 1.0
@@ -292,7 +290,7 @@ def _drill_endpoint(args: argparse.Namespace, site: str, samples) -> dict[str, A
     if not states:
         raise DrillRefused(f"no scheduler replica answered: {', '.join(schedulers)}")
     _check_site(args, site, set(states))
-    return _drill(target, args, site, samples)
+    return _drill(target, args, site)
 
 
 def _check_site(args: argparse.Namespace, site: str, sites: set[str]) -> None:
@@ -303,7 +301,11 @@ def _check_site(args: argparse.Namespace, site: str, sites: set[str]) -> None:
         raise DrillRefused(f"no site named {site!r} (sites: {', '.join(sorted(sites))}); name one with --site")
 
 
-def _drill(target: Target, args: argparse.Namespace, site: str, samples) -> dict[str, Any]:
+def _drill(target: Target, args: argparse.Namespace, site: str) -> dict[str, Any]:
+    # The workload once the drill is known to be possible: four samples per open request (the
+    # tokenizer's load and ~1 s a 72,000) are not spent on a refusal.
+    output = dataclasses.replace(DRILL_OUTPUT_TOKENS, mean=args.output_mean)
+    workload = WorkloadSpec(4 * args.open_requests, args.seed, MLPERF_LIKE_PROMPTS, output).samples()
     fault: Fault = SCENARIOS[args.scenario](site, target)
     if isinstance(fault, SiteBrownout):
         fault.slowdown = args.slowdown
@@ -317,7 +319,7 @@ def _drill(target: Target, args: argparse.Namespace, site: str, samples) -> dict
         # then decode waves would take minutes to even out into a fleet's steady mix.
         sustain = scenarios.Sustain(0.0, total_s * args.speed, ramp_s=args.warmup_s / 2 * args.speed)
         outcome["results"], outcome["window"] = scenarios.run_sustained(
-            target.endpoint, samples, args.open_requests, sustain, args.speed, f"drill {args.scenario}"
+            target.endpoint, workload, args.open_requests, sustain, args.speed, f"drill {args.scenario}"
         )
 
     sampler = SiteTokenSampler(target.metrics_url, target.site_states)
