@@ -47,12 +47,13 @@ def _config(
     gateway: str = "",
     rtt_ms: float = 130,
     timings: str = "",
+    gpus: int = GPUS,
 ) -> tuple[Path, dict]:
-    """A small federation's YAML; `scheduler` and `gateway` add keys to their sections (replicas,
-    policy; processes), `timings` is the timings section. Every port from one block free now: blocks found free one by one are not
+    """A small federation's YAML (`gpus` GPUs a site); `scheduler` and `gateway` add keys to their
+    sections (replicas, policy; processes), `timings` is the timings section. Every port from one block free now: blocks found free one by one are not
     reserved, and two of them overlapped (an emulator could not bind a port its agent had)."""
     replicas = 2 if "replicas: 2" in scheduler else 1
-    first = free_port_block(1 + replicas + len(sites) * (1 + GPUS))
+    first = free_port_block(1 + replicas + len(sites) * (1 + gpus))
     ports = {"gateway": first, "scheduler": first + 1}  # replica i listens on scheduler + i
     next_port = first + 1 + replicas
     lines = [
@@ -68,10 +69,10 @@ def _config(
     for name, region, gpu in sites:  # the agent's port, then its workers'
         ports[name] = next_port + 1
         lines.append(
-            f"  - {{name: {name}, region: {region}, gpu: {gpu}, gpus: {GPUS}, "
+            f"  - {{name: {name}, region: {region}, gpu: {gpu}, gpus: {gpus}, "
             f"agent_port: {next_port}, worker_port: {ports[name]}}}"
         )
-        next_port += 1 + GPUS
+        next_port += 1 + gpus
     if timings:
         lines.append(f"timings: {timings}")
     path = tmp / "federation.yaml"

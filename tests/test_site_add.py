@@ -21,8 +21,9 @@ NEWCOMER = ["--name", "eu-mi355x", "--region", "us-west-2", "--gpu", "mi355x", "
 
 
 def _up(tmp_path: Path) -> tuple[Path, Child]:
-    """A running `fedctl up` of the two-site test federation, and its config."""
-    path, _ = _config(tmp_path, SITES)
+    """A running `fedctl up` of the two-site test federation, one GPU a site (it launches a
+    process per GPU: what is added, routed to and stopped here is the newcomer), and its config."""
+    path, _ = _config(tmp_path, SITES, gpus=1)
     return path, start_python("fedctl up", "federation.cli", ["up", "--config", str(path)], timeout_s=90)
 
 
