@@ -286,11 +286,22 @@ def generate_command_to_pb(starts: Sequence[tuple[int, GenerateRequest]], cancel
     return pb.GenerateCommand(start=[_generate_request_to_pb(n, r) for n, r in starts], cancel=cancels)
 
 
-def token_batch_to_pb(deltas: Sequence[TokenDelta]) -> pb.TokenBatch:
-    """At the token rate: the fields most deltas leave at their defaults are set only when not."""
+def token_batch_to_pb(deltas: Sequence[TokenDelta], flow: bool = False) -> pb.TokenBatch:
+    """At the token rate. With `flow` (the gateway reads TokenFlow), a delta that is only new
+    text and ids goes into the batch's columns, a few list appends instead of a message; the
+    others (a stream's first, its last, a failure, logprobs) as TokenDeltas, their fields set
+    only when not at their defaults."""
     batch = pb.TokenBatch()
     add = batch.deltas.add
+    streams, texts, id_counts, ids, completions = [], [], [], [], []
     for d in deltas:
+        if flow and d.finish_reason is None and not d.worker and d.error is StreamError.NONE and not d.logprobs:
+            streams.append(d.stream)
+            texts.append(d.text)
+            id_counts.append(len(d.output_ids))
+            ids += d.output_ids
+            completions.append(d.completion_tokens)
+            continue
         m = add(
             stream=d.stream,
             text=d.text,
@@ -309,6 +320,12 @@ def token_batch_to_pb(deltas: Sequence[TokenDelta]) -> pb.TokenBatch:
             for position in d.top:
                 m.top_ids.extend(i for i, _ in position)
                 m.top_logprobs.extend(lp for _, lp in position)
+    if streams:
+        batch.flow.streams.extend(streams)
+        batch.flow.texts.extend(texts)
+        batch.flow.id_counts.extend(id_counts)
+        batch.flow.ids.extend(ids)
+        batch.flow.completion_tokens.extend(completions)
     return batch
 
 
@@ -394,10 +411,15 @@ def generate_command_from_pb(m: pb.GenerateCommand) -> GenerateCommand:
 
 _STREAM_ERRORS = {e.value: e for e in StreamError}
 
+# A gateway that reads TokenBatch.flow says so in its Generate call's metadata.
+TOKEN_FLOW_METADATA = ("federation-token-flow", "1")
+
 
 def token_batch_from_pb(m: pb.TokenBatch) -> list[TokenDelta]:
-    """An error kind this gateway does not know (a newer agent's) is a site failure all the same."""
-    return [
+    """The batch's TokenDeltas, then its TokenFlow's (each column read at once, not a field at
+    a time: this runs at the token rate). An error kind this gateway does not know (a newer
+    agent's) is a site failure all the same. Raises ValueError for columns that do not match."""
+    out = [
         TokenDelta(
             d.stream,
             d.text,
@@ -414,6 +436,25 @@ def token_batch_from_pb(m: pb.TokenBatch) -> list[TokenDelta]:
         )
         for d in m.deltas
     ]
+    if m.HasField("flow"):
+        out += _flow_from_pb(m.flow)
+    return out
+
+
+def _flow_from_pb(f: pb.TokenFlow) -> list[TokenDelta]:
+    streams, texts, counts, completions = list(f.streams), list(f.texts), list(f.id_counts), list(f.completion_tokens)
+    ids = tuple(f.ids)
+    if not len(streams) == len(texts) == len(counts) == len(completions) or sum(counts) != len(ids):
+        raise ValueError("a TokenFlow whose columns do not match")
+    out, at, new = [], 0, tuple.__new__  # a tuple's own constructor: half the NamedTuple's cost
+    for stream, text, count, completion in zip(streams, texts, counts, completions, strict=True):
+        out.append(new(TokenDelta, (stream, text, ids[at : at + count], completion, *_FLOW_DEFAULTS)))
+        at += count
+    return out
+
+
+# A flow delta's fields after its completion_tokens: prompt_tokens and the rest at their defaults.
+_FLOW_DEFAULTS = (0, None, "", 0.0, StreamError.NONE, "", (), ())
 
 
 def _top(d: pb.TokenDelta) -> tuple[tuple[tuple[int, float], ...], ...]:

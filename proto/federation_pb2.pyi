@@ -313,10 +313,26 @@ class TokenDelta(_message.Message):
     def __init__(self, stream: _Optional[int] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., completion_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., finish_reason_json: _Optional[str] = ..., worker: _Optional[str] = ..., accepted_unix_s: _Optional[float] = ..., error: _Optional[_Union[StreamError, str]] = ..., error_message: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
-    __slots__ = ("deltas",)
+    __slots__ = ("deltas", "flow")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
+    FLOW_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[TokenDelta]
-    def __init__(self, deltas: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ...) -> None: ...
+    flow: TokenFlow
+    def __init__(self, deltas: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ..., flow: _Optional[_Union[TokenFlow, _Mapping]] = ...) -> None: ...
+
+class TokenFlow(_message.Message):
+    __slots__ = ("streams", "texts", "id_counts", "ids", "completion_tokens")
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    ID_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    streams: _containers.RepeatedScalarFieldContainer[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    id_counts: _containers.RepeatedScalarFieldContainer[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    completion_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, streams: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ..., id_counts: _Optional[_Iterable[int]] = ..., ids: _Optional[_Iterable[int]] = ..., completion_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("schedulers", "site", "region", "gpu", "gpus")

@@ -5,6 +5,7 @@ asked for, every worker event as its own chunk; and the hop from gateway to agen
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import re
 import time
@@ -12,10 +13,12 @@ import urllib.request
 from collections.abc import Iterator
 
 import aiohttp
+import grpc
 import openai
 import orjson
 import pytest
 
+from core import wire
 from core.processes import Child, free_port_block, start_python
 from nodes.emulator.launch import launch
 
@@ -24,8 +27,9 @@ ANSWER_TOKENS = 400  # ~2 s of decode at speed 1, batch 1
 
 
 @pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    """A one-site federation at real GPU speed whose worker streams an event per decode step."""
+def federation() -> Iterator[tuple[str, str]]:
+    """A one-site federation at real GPU speed whose worker streams an event per decode step:
+    its gateway's URL and its agent's address."""
     emulator = launch(["--profile", "mi355x", "--workers", "1", "--speed", "1", "--incremental-streaming-output"])
     scheduler_port = free_port_block(3)
     agent_port, gateway_port = scheduler_port + 1, scheduler_port + 2
@@ -39,11 +43,16 @@ def endpoint() -> Iterator[str]:
         gateway = ["--insecure", "--port", str(gateway_port), "--scheduler", f"127.0.0.1:{scheduler_port}"]
         children.append(start_python("gateway", "federation.gateway", gateway))
         _wait_ready(f"http://127.0.0.1:{gateway_port}")
-        yield f"http://127.0.0.1:{gateway_port}"
+        yield f"http://127.0.0.1:{gateway_port}", f"127.0.0.1:{agent_port}"
     finally:
         for child in reversed(children):
             child.stop()
         emulator.stop()
+
+
+@pytest.fixture(scope="module")
+def endpoint(federation: tuple[str, str]) -> str:
+    return federation[0]
 
 
 def _wait_ready(base: str) -> None:
@@ -123,3 +132,29 @@ async def test_native_generate_streams_cumulatively_either_way(endpoint: str, in
         assert len(events) < ANSWER_TOKENS / 10
     else:
         assert len(events) >= 0.9 * ANSWER_TOKENS
+
+
+@pytest.mark.parametrize("flow", [True, False])
+async def test_the_agent_sends_columns_only_to_a_gateway_that_reads_them(
+    federation: tuple[str, str], flow: bool
+) -> None:
+    """A gateway that says it reads TokenBatch.flow gets the middle of an answer in its columns;
+    one that does not (an older gateway) gets every delta as a TokenDelta. Either way the deltas
+    add up to the whole answer, the count exact."""
+    metadata = (wire.TOKEN_FLOW_METADATA,) if flow else ()
+    request = wire.GenerateRequest("flow-test", 1, {"max_new_tokens": ANSWER_TOKENS, "ignore_eos": True}, "hello")
+    async with grpc.aio.insecure_channel(federation[1]) as channel:
+        call = wire.SiteAgentStub(channel).Generate(metadata=metadata)
+        await call.write(wire.generate_command_to_pb([(7, request)], []))
+        ids: list[int] = []
+        flow_deltas, finished, completion = 0, None, 0
+        while finished is None:
+            batch = await asyncio.wait_for(call.read(), 30)
+            flow_deltas += len(batch.flow.streams)
+            for delta in wire.token_batch_from_pb(batch):
+                assert delta.stream == 7 and delta.error is wire.StreamError.NONE
+                ids += delta.output_ids
+                completion, finished = delta.completion_tokens, delta.finish_reason
+        call.cancel()
+    assert len(ids) == completion == ANSWER_TOKENS and finished["type"] == "length"
+    assert (flow_deltas > 0) is flow

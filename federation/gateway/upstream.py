@@ -106,7 +106,7 @@ class _Call:
 
     def __init__(self, stub: wire.SiteAgentStub, address: str) -> None:
         self.address = address
-        self._grpc = stub.Generate()
+        self._grpc = stub.Generate(metadata=(wire.TOKEN_FLOW_METADATA,))
         self.streams: dict[int, SiteStream] = {}
         self._starts: collections.deque[tuple[int, wire.GenerateRequest]] = collections.deque()
         self._cancels: list[int] = []

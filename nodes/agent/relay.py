@@ -123,8 +123,9 @@ class RelayCall:
     """The sending side of one Generate call: which records wait, when they are flushed.
     `on_sent(record, tokens)` hears of the output tokens each delta carried."""
 
-    def __init__(self, write, on_sent: Callable[[Relayed, int], None], coalesce_s: float) -> None:
+    def __init__(self, write, on_sent: Callable[[Relayed, int], None], coalesce_s: float, flow: bool = False) -> None:
         self._write = write  # the call's context.write
+        self._flow = flow  # the gateway reads TokenBatch.flow
         self._on_sent = on_sent
         self._coalesce_s = coalesce_s
         self._waiting: dict[Relayed, None] = {}  # in the order they began to wait
@@ -167,7 +168,7 @@ class RelayCall:
                 await self._wake.wait()
                 self._wake.clear()
                 while self._urgent:
-                    await self._write(wire.token_batch_to_pb(self._take()))
+                    await self._write(wire.token_batch_to_pb(self._take(), self._flow))
                 self._idle.set()
         finally:
             if self._timer is not None:

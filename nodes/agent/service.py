@@ -116,7 +116,8 @@ class SiteAgentService(wire.SiteAgentServicer):
         generation still running then is cancelled (the gateway is gone)."""
         await self.guard.admit(context, "Generate")
         self.metrics.generate_calls.inc()
-        relay = RelayCall(context.write, self._sent, self.timings.coalesce_s)
+        flow = wire.TOKEN_FLOW_METADATA in (context.invocation_metadata() or ())
+        relay = RelayCall(context.write, self._sent, self.timings.coalesce_s, flow=flow)
         writer = asyncio.ensure_future(relay.write_forever())
         running: dict[int, asyncio.Task[None]] = {}
         try:
