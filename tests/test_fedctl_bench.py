@@ -96,3 +96,39 @@ def test_sustained_offline_measures_a_window(tmp_path: Path) -> None:
     assert set(report["standalone"]) == {"kr-mi300x", "us-mi355x"} and min(report["standalone"].values()) > 0
     expected = report["steady_output_tokens_per_s"] / sum(report["standalone"].values())
     assert report["federation_efficiency"] == pytest.approx(expected, abs=1e-3)
+
+
+@pytest.mark.timeout(180)
+def test_datapath_reports_cpu_per_token_per_hop_beside_the_router(tmp_path: Path) -> None:
+    """`--datapath`, small: 40 streams at real speed and per-token pace through the federation,
+    then every event as its own chunk, then the real sglang-router over the same workers; the
+    issue's keys, each hop's CPU per token measured, nothing failed, the machine's load said."""
+    sites = [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")]
+    config, _ = _config(tmp_path, sites, gpus=1)
+    out = tmp_path / "datapath.json"
+    args = ["--datapath", "--config", str(config), "--speed", "1", "--max-in-flight", "40", "--requests", "200"]
+    args += ["--output-mean", "100", "--warmup-s", "3", "--sustain-s", "3", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "federation.cli", "bench", *args],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["stream_interval"] == 1
+    for key in ("gateway_cpu_us_per_token", "agent_cpu_us_per_token", "router_cpu_us_per_token"):
+        assert report[key] > 0, key
+    assert report["tokens_per_s"] > 0 and report["client_events_per_s"] > 0
+    assert 0 <= report["overhead_ms_p50"] <= report["overhead_ms_p99"]
+    assert isinstance(report["saturated"], bool) and 0 < report["machine_busy_share"] <= 1
+    for name, phase in report["phases"].items():
+        assert phase["requests_failed"] == 0, (name, phase["errors"])
+    # Chunks on the agent's window carry many of these short steps' tokens; asked for, a chunk per
+    # worker event (the emulator merges a step or two when two cores fall behind it).
+    phases = report["phases"]
+    assert (
+        phases["federation every event"]["tokens_per_client_event"] * 3
+        < phases["federation"]["tokens_per_client_event"]
+    )

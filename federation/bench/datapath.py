@@ -51,8 +51,12 @@ from federation.embedded import Federation
 DATAPATH_GPUS = {"kr-mi300x": 2, "us-mi355x": 1}
 WARMUP_S = 60.0  # the opening burst's prefill done and every stream decoding at the batch's pace
 WINDOW_S = 60.0
-RAMP_S = 20.0  # the open requests start over this long, not all in one burst
+RAMP_S = 20.0  # the open requests start over this long (half the warm-up at most), not all in one burst
 ROUTER_POLICY = "round_robin"
+# A phase whose window kept the machine's cores this busy measured a machine out of CPU: every
+# hop then waits its turn (the hop overhead is queueing), and this VM's per-event costs rise with
+# it. Its figures are reported, flagged, not comparable with an unsaturated run's.
+SATURATED_SHARE = 0.9
 
 
 def datapath_config(path: Path | None, speed: float, stream_interval: int, on_free_ports) -> Config:
@@ -82,6 +86,7 @@ class CpuSampler:
         self.window: tuple[float, float] | None = None
         self._thread: threading.Thread | None = None
         self._used: dict[str, tuple[float, float]] = {}
+        self.machine_busy_share: float | None = None  # of all this machine's cores, over the window
 
     def start(self, window: tuple[float, float]) -> None:
         self.window = window
@@ -101,9 +106,10 @@ class CpuSampler:
         me = psutil.Process()  # a run with one client process drives it from this one
         clients = [me.pid, *(p.pid for p in me.children(recursive=True) if p.pid not in named)]
         procs = {kind: _processes(pids) for kind, pids in {**self.kinds, "client": clients}.items()}
-        before = {kind: _times(ps) for kind, ps in procs.items()}
+        before, machine_before = {kind: _times(ps) for kind, ps in procs.items()}, psutil.cpu_times()
         time.sleep(max(0.0, self.window[1] - time.monotonic()))
-        after = {kind: _times(ps) for kind, ps in procs.items()}
+        after, machine_after = {kind: _times(ps) for kind, ps in procs.items()}, psutil.cpu_times()
+        self.machine_busy_share = _busy_share(machine_before, machine_after)
         for kind, ps in procs.items():
             user, system = 0.0, 0.0
             for p in ps:
@@ -111,6 +117,13 @@ class CpuSampler:
                     user += after[kind][p.pid][0] - before[kind][p.pid][0]
                     system += after[kind][p.pid][1] - before[kind][p.pid][1]
             self._used[kind] = (user, system)
+
+
+def _busy_share(before, after) -> float | None:
+    """The share of the machine's CPU time between two psutil.cpu_times() that was not idle."""
+    total = sum(after) - sum(before)
+    idle = (after.idle + after.iowait) - (before.idle + before.iowait)
+    return round(1.0 - idle / total, 3) if total > 0 else None
 
 
 def _processes(pids: Sequence[int]) -> list[psutil.Process]:
@@ -163,7 +176,7 @@ def _phase(
     stream_interval: int | None = None,
 ) -> dict[str, Any]:
     sampler = CpuSampler(kinds)
-    sustain = scenarios.Sustain(args.warmup_s, args.sustain_s, RAMP_S, cut_at_end=True)
+    sustain = scenarios.Sustain(args.warmup_s, args.sustain_s, min(RAMP_S, args.warmup_s / 2), cut_at_end=True)
     results, window = scenarios.run_sustained(
         endpoint, samples, open_requests, sustain, 1.0, label, stream_interval=stream_interval, on_window=sampler.start
     )
@@ -184,6 +197,8 @@ def _phase(
         "cpu_us_per_event": {k: _per(v, events_per_s * window_s) for k, v in cpu_s.items()},
         "cpu_cores": {k: round(v / window_s, 3) for k, v in cpu_s.items()},
         "cpu_system_share": {k: round(s / (u + s), 3) if u + s else None for k, (u, s) in used.items()},
+        "machine_busy_share": sampler.machine_busy_share,
+        "saturated": (sampler.machine_busy_share or 0.0) >= SATURATED_SHARE,
         "overhead_ms_p50": _percentile(hops, 0.5),
         "overhead_ms_p99": _percentile(hops, 0.99),
         "tpot_ms_p50": _percentile(tpots, 0.5),
@@ -247,6 +262,8 @@ def run(args: argparse.Namespace, samples: Sequence[Sample], config: Config, log
         "overhead_ms_p50": ours["overhead_ms_p50"],
         "overhead_ms_p99": ours["overhead_ms_p99"],
         "tpot_ms_p50": ours["tpot_ms_p50"],
+        "machine_busy_share": ours["machine_busy_share"],
+        "saturated": ours["saturated"],
         "phases": phases,
     }
 
