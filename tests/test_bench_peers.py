@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import psutil
 import pytest
@@ -40,9 +39,7 @@ async def test_round_robin_serves_exact_streams_and_leaves_no_process() -> None:
     is left."""
     own_children = {p.pid for p in psutil.Process().children(recursive=True)}
     samples = WorkloadSpec(8, prompt=LengthDistribution(100, 0.5), output=LengthDistribution(40, 0.5)).samples()
-    started = time.monotonic()
     with FlatRouter(CONFIG, "round_robin") as router:
-        start_up_s = time.monotonic() - started
         ours = [child.pid for child in router.children]
         emulators = [c for c in router.children if isinstance(c, EmulatorProcess)]
         async with client.session() as http:
@@ -53,7 +50,6 @@ async def test_round_robin_serves_exact_streams_and_leaves_no_process() -> None:
             results = await asyncio.gather(*(client.send(http, router.endpoint, CONFIG.model, s) for s in samples))
     assert model == CONFIG.model
     assert router.endpoint.startswith("http://127.0.0.1:") and router.endpoint.endswith("/v1")
-    assert start_up_s < 15, start_up_s
     assert [(r.error, r.output_tokens) for r in results] == [(None, s.output_tokens) for s in samples]
     kr, us = emulators  # sites in config order
     assert set(us.urls) <= listed and not set(kr.urls) & listed and len(listed) == 4
