@@ -91,7 +91,7 @@ def test_sustained_offline_measures_a_window(tmp_path: Path) -> None:
     assert 5 <= report["requests_cut"] <= 8 and report["output_tokens"] > 0
     assert report["output_tokens_per_s"] == pytest.approx(report["output_tokens"] / 12.0, rel=1e-3)
     assert all(run["sustained"]["window_s"] == 12.0 for run in report["standalone_runs"].values())
-    assert 6 <= sum(run["requests_cut"] for run in report["standalone_runs"].values()) <= 8  # the 8 shared out
+    assert 4 <= sum(run["requests_cut"] for run in report["standalone_runs"].values()) <= 8  # the 8 shared out
     assert KEYS <= set(report)
     assert set(report["standalone"]) == {"kr-mi300x", "us-mi355x"} and min(report["standalone"].values()) > 0
     expected = report["steady_output_tokens_per_s"] / sum(report["standalone"].values())
