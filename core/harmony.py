@@ -14,6 +14,8 @@ import gzip
 import hashlib
 import importlib.util
 import os
+import re
+import secrets
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -103,9 +105,29 @@ def encode(text: str) -> list[int]:
 def render_chat(turns: Sequence[Turn], tools: Sequence[Tool], *, reasoning_effort: str, today: str) -> list[int]:
     """The prompt the model completes: the conversation in Harmony, ending with
     `<|start|>assistant`. The first system or developer message becomes the developer
-    instructions (as gpt-oss's chat template does); tools are declared under `functions`."""
+    instructions (as gpt-oss's chat template does); tools are declared under `functions`.
+
+    The chat's free text (contents, instructions, a call's arguments, a tool message's function,
+    the words of a tool's description) reaches openai-harmony as short placeholders and is
+    tokenized by bpe-openai when spliced back (`_Placeholders`): harmony's own BPE takes time
+    quadratic in the length of a run without spaces and holds the GIL while it does (32 k emoji:
+    17 s), so one request could stall every stream of the process that renders it. The same ids
+    either way (tests/test_harmony_render.py). A tool's schema stays harmony's to render: the
+    gateway bounds its size (federation/gateway/chat.py). PromptTooLong: a text past what the
+    tokenizer takes at once."""
     import openai_harmony as h
 
+    marks = _Placeholders()
+    turns = [
+        Turn(t.role, marks.mark(t.content), tuple((n, marks.mark(a)) for n, a in t.calls), marks.mark(t.function))
+        for t in turns
+    ]
+    tools = [Tool(t.name, marks.mark_words(t.description), t.parameters) for t in tools]
+    conversation = _conversation(h, turns, tools, reasoning_effort, today)
+    return marks.spliced(encoding().render_conversation_for_completion(conversation, h.Role.ASSISTANT))
+
+
+def _conversation(h: Any, turns: Sequence[Turn], tools: Sequence[Tool], reasoning_effort: str, today: str) -> Any:
     system = (
         h.SystemContent.new()
         .with_reasoning_effort(h.ReasoningEffort(reasoning_effort.capitalize()))
@@ -125,8 +147,57 @@ def render_chat(turns: Sequence[Turn], tools: Sequence[Tool], *, reasoning_effor
         messages.append(h.Message.from_role_and_content(h.Role.DEVELOPER, developer))
     for turn in rest:
         messages.extend(_messages(h, turn))
-    conversation = h.Conversation.from_messages(messages)
-    return encoding().render_conversation_for_completion(conversation, h.Role.ASSISTANT)
+    return h.Conversation.from_messages(messages)
+
+
+_WORD = re.compile(r"\S+")
+
+
+class _Placeholders:
+    """Texts swapped for placeholders before rendering, and back after: each run of ordinary ids
+    between two special tokens that holds a placeholder is decoded, its placeholders replaced (in
+    one pass, so a text is never read for placeholders itself) and encoded again. Exact because
+    Harmony encodes each such run as one plain text (special-token names in it are text). The
+    nonce is new for each chat: no text can hold a placeholder by design."""
+
+    def __init__(self) -> None:
+        self._nonce = secrets.token_hex(8)
+        self._pattern = re.compile(f"q{self._nonce}x([0-9]+)q")
+        self._texts: list[str] = []
+
+    def mark(self, text: str) -> str:
+        """A placeholder of `text` (the empty text stays empty: Harmony leaves out empty messages)."""
+        if not text:
+            return text
+        self._texts.append(text)
+        return f"q{self._nonce}x{len(self._texts) - 1}q"
+
+    def mark_words(self, text: str) -> str:
+        """Each run of `text` without whitespace as a placeholder, the whitespace kept: harmony
+        lays out a tool's description by its lines (each behind `// `), so it must see them."""
+        return _WORD.sub(lambda m: self.mark(m[0]), text)
+
+    def spliced(self, ids: list[int]) -> list[int]:
+        if not self._texts:
+            return ids
+        out: list[int] = []
+        start = 0
+        for i, token in enumerate(ids):
+            if token >= FIRST_SPECIAL:
+                self._run(ids[start:i], out)
+                out.append(token)
+                start = i + 1
+        self._run(ids[start:], out)
+        return out
+
+    def _run(self, run: list[int], out: list[int]) -> None:
+        from core import tokens  # here: its tokenizer is for processes that render chats
+
+        text = encoding().decode_utf8(run) if run else ""
+        if self._nonce in text:
+            out.extend(tokens.encode_ordinary(self._pattern.sub(lambda m: self._texts[int(m[1])], text)))
+        else:
+            out.extend(run)
 
 
 def _messages(h: Any, turn: Turn) -> Iterable[Any]:

@@ -85,6 +85,20 @@ def encode(text: str, limit: int | None = None) -> list[int]:
     return ids
 
 
+def encode_ordinary(text: str) -> list[int]:
+    """Token ids of `text` with every special-token name in it as plain text (as Harmony renders
+    a message's content), in time linear in its length; PromptTooLong past what bpe-openai takes."""
+    import bpe_openai  # loaded by `_encoding` (see there why not at the top)
+
+    enc = _encoding()
+    if len(text) >= MAX_ENCODE_CHARS:
+        raise PromptTooLong(f"the text has {len(text)} characters, more than any context can hold")
+    try:
+        return enc.encode_ordinary(text)
+    except bpe_openai.TokenLimitError:  # one piece past what the tokenizer takes at once
+        raise PromptTooLong(f"the text has {len(text)} characters, more than any context can hold") from None
+
+
 _SPECIAL_NAMES = {i: name for name, i in HARMONY_SPECIALS.items()}
 
 

@@ -5,6 +5,7 @@ under a schema."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 from collections.abc import Iterator
@@ -212,6 +213,45 @@ async def test_no_prompt_is_too_long_for_a_clear_400(shared) -> None:
             with pytest.raises(openai.BadRequestError) as raised:
                 await call
             assert "context" in raised.value.body["message"]
+
+
+@pytest.mark.timeout(120)
+async def test_text_slow_to_tokenize_stalls_no_stream(shared) -> None:
+    """The attack that stalled a gateway for minutes: a run without spaces (60,000 emoji, ~120 k
+    tokens, inside the context), which openai-harmony's tokenizer takes over a minute for while
+    holding the process. It is answered, with its exact prompt count, while another client's
+    stream keeps flowing; a tool schema built the same way is refused naming `tools`."""
+    fed = shared
+    emoji = "💥" * 60_000
+    async with _client(fed) as client:
+        gaps: list[float] = []
+        flowing = asyncio.Event()
+
+        async def watch() -> None:  # a long answer, read until the attack is answered
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=ASK, max_tokens=60_000, stream=True, extra_body={"ignore_eos": True}
+            )
+            last = asyncio.get_running_loop().time()
+            async for _ in stream:
+                now = asyncio.get_running_loop().time()
+                gaps.append(now - last)
+                last = now
+                flowing.set()
+
+        watching = asyncio.create_task(watch())
+        await asyncio.wait_for(flowing.wait(), 30)
+        answer = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": emoji}], max_tokens=1
+        )
+        await asyncio.sleep(1)
+        watching.cancel()
+        assert answer.usage.prompt_tokens > 100_000
+        assert max(gaps) < 10, max(gaps)  # a minute or more when the gateway's loop was held
+        long_run = {"type": "object", "properties": {"a": {"type": "string", "description": emoji[:300]}}}
+        tools = [{"type": "function", "function": {"name": "f", "parameters": long_run}}]
+        with pytest.raises(openai.BadRequestError) as raised:
+            await client.chat.completions.create(model=MODEL, messages=ASK, tools=tools)
+        assert raised.value.body["param"] == "tools" and "without whitespace" in raised.value.body["message"]
 
 
 async def _kill_when(fed, client, trigger, **request) -> tuple[Streamed, str]:

@@ -15,14 +15,19 @@ How SGLang serves gpt-oss, and so how the sites are asked:
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from core import harmony
+from core import harmony, tokens
 from core.errors import BadRequest
 from federation.gateway.request_models import ChatRequest, Message, NamedChoice, ResponseFormat, Tool
 
 CALL_TRIGGER = "<|channel|>commentary to="
+MAX_SCHEMA_CHARS = 65_536  # of all tools' parameter schemas, as JSON (their descriptions are not bounded)
+MAX_SCHEMA_RUN = 256  # characters without whitespace, anywhere in a schema
+_RUN = re.compile(r"\S+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +50,7 @@ def chat(req: ChatRequest, *, today: str, max_chars: int, context_tokens: int) -
             f"{max_chars} characters.",
             param="messages",
         )
+    _check_schemas(tools)
     choice = req.tool_choice or ("auto" if tools else "none")
     names = [t.function.name for t in tools]
     if not tools and (choice == "required" or isinstance(choice, NamedChoice)):
@@ -67,13 +73,52 @@ def chat(req: ChatRequest, *, today: str, max_chars: int, context_tokens: int) -
                 param="response_format",
             )
         constraints["json_schema"] = json.dumps(schema)
-    ids = harmony.render_chat(
-        turns,
-        [harmony.Tool(t.function.name, t.function.description, t.function.parameters) for t in offered],
-        reasoning_effort=req.reasoning_effort or "medium",
-        today=today,
-    )
+    try:
+        ids = harmony.render_chat(
+            turns,
+            [harmony.Tool(t.function.name, t.function.description, t.function.parameters) for t in offered],
+            reasoning_effort=req.reasoning_effort or "medium",
+            today=today,
+        )
+    except tokens.PromptTooLong as exc:
+        raise BadRequest(
+            f"The input is longer than the model's context of {context_tokens} tokens: {exc}.", param="messages"
+        ) from None
     return Chat(ids, constraints)
+
+
+def _check_schemas(tools: list[Tool]) -> None:
+    """Tools' parameter schemas are rendered by openai-harmony's own tokenizer, whose time grows
+    with the square of a run without spaces (core/harmony.py says why the rest of a chat is not):
+    bounded, the worst schemas cost ~0.2 s to render, and real ones (words, short names) far less."""
+    text = "".join(json.dumps(t.function.parameters, ensure_ascii=False) for t in tools)
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise BadRequest(
+            f"The tools' parameter schemas hold {len(text)} characters of JSON; at most {MAX_SCHEMA_CHARS}.",
+            param="tools",
+        )
+    longest = max(
+        (len(m[0]) for s in _strings([t.function.parameters for t in tools]) for m in _RUN.finditer(s)), default=0
+    )
+    if longest > MAX_SCHEMA_RUN:
+        raise BadRequest(
+            f"A tool's parameter schema holds a run of {longest} characters without whitespace; at most "
+            f"{MAX_SCHEMA_RUN}.",
+            param="tools",
+        )
+
+
+def _strings(values: list[Any]) -> Iterator[str]:
+    """Every key and string value in JSON `values`, at any depth (walked without recursion)."""
+    while values:
+        value = values.pop()
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict):
+            yield from value.keys()
+            values.extend(value.values())
+        elif isinstance(value, list):
+            values.extend(value)
 
 
 def _turns(messages: list[Message]) -> list[harmony.Turn]:

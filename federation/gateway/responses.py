@@ -451,5 +451,7 @@ class SseClient:
         """The last events and [DONE], after everything queued; the response is complete."""
         assert self.response is not None
         self.flush()
+        if self._transport is None or self._transport.is_closing():
+            return self.response  # the client left after its last chunk: nobody to tell
         await self.response.write(events + b"data: [DONE]\n\n")
         return self.response
