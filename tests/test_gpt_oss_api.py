@@ -11,6 +11,7 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
+import aiohttp
 import jsonschema
 import openai
 import pytest
@@ -252,6 +253,25 @@ async def test_text_slow_to_tokenize_stalls_no_stream(shared) -> None:
         with pytest.raises(openai.BadRequestError) as raised:
             await client.chat.completions.create(model=MODEL, messages=ASK, tools=tools)
         assert raised.value.body["param"] == "tools" and "without whitespace" in raised.value.body["message"]
+
+
+@pytest.mark.timeout(120)
+async def test_schemas_nested_past_what_json_dumps_writes_are_a_400(shared) -> None:
+    """~960 levels, written by hand (Python's json.dumps, the openai client's too, fails past
+    ~1,000): the body's parser reads up to 1,024, and the gateway wrote such a schema on with
+    json.dumps, an internal error. Now a 400 naming the field, for a tool's and an answer's."""
+    deep = '{"type": "object", "properties": {"a": ' * 480 + '{"type": "object"}' + "}}" * 480
+    fields = {
+        "tools": '[{"type": "function", "function": {"name": "f", "parameters": ' + deep + "}}]",
+        "response_format": '{"type": "json_schema", "json_schema": {"name": "deep", "schema": ' + deep + "}}",
+    }
+    async with aiohttp.ClientSession() as http:
+        for field, value in fields.items():
+            body = '{"model": "' + MODEL + '", "messages": ' + json.dumps(ASK) + ', "' + field + '": ' + value + "}"
+            async with http.post(f"{shared.config.gateway_url}/v1/chat/completions", data=body) as response:
+                refused = await response.json()
+            assert response.status == 400 and refused["error"]["param"] == field, refused
+            assert "deeper" in refused["error"]["message"]
 
 
 async def _kill_when(fed, client, trigger, **request) -> tuple[Streamed, str]:

@@ -27,6 +27,7 @@ from federation.gateway.request_models import ChatRequest, Message, NamedChoice,
 CALL_TRIGGER = "<|channel|>commentary to="
 MAX_SCHEMA_CHARS = 65_536  # of all tools' parameter schemas, as JSON (their descriptions are not bounded)
 MAX_SCHEMA_RUN = 256  # characters without whitespace, anywhere in a schema
+MAX_SCHEMA_DEPTH = 64  # levels of nesting in a tool's or an answer's schema
 _RUN = re.compile(r"\S+")
 
 
@@ -41,6 +42,7 @@ class Chat:
 def chat(req: ChatRequest, *, today: str, max_chars: int, context_tokens: int) -> Chat:
     turns = _turns(req.messages)
     tools = req.tools or []
+    _check_schemas(tools)
     rendered_chars = sum(len(t.content) + sum(len(a) for _, a in t.calls) for t in turns) + sum(
         len(t.function.description) + len(json.dumps(t.function.parameters)) for t in tools
     )
@@ -50,7 +52,6 @@ def chat(req: ChatRequest, *, today: str, max_chars: int, context_tokens: int) -
             f"{max_chars} characters.",
             param="messages",
         )
-    _check_schemas(tools)
     choice = req.tool_choice or ("auto" if tools else "none")
     names = [t.function.name for t in tools]
     if not tools and (choice == "required" or isinstance(choice, NamedChoice)):
@@ -91,6 +92,8 @@ def _check_schemas(tools: list[Tool]) -> None:
     """Tools' parameter schemas are rendered by openai-harmony's own tokenizer, whose time grows
     with the square of a run without spaces (core/harmony.py says why the rest of a chat is not):
     bounded, the worst schemas cost ~0.2 s to render, and real ones (words, short names) far less."""
+    for t in tools:
+        _check_nesting(t.function.parameters, "tools")
     text = "".join(json.dumps(t.function.parameters, ensure_ascii=False) for t in tools)
     if len(text) > MAX_SCHEMA_CHARS:
         raise BadRequest(
@@ -106,6 +109,18 @@ def _check_schemas(tools: list[Tool]) -> None:
             f"{MAX_SCHEMA_RUN}.",
             param="tools",
         )
+
+
+def _check_nesting(schema: Any, param: str) -> None:
+    """A schema is written on to the sites by Python's `json.dumps`, which fails past ~1,000 levels
+    (the body's parser reads 1,024): deeper than any real schema is a 400, not an internal error."""
+    stack = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise BadRequest(f"A schema nests deeper than {MAX_SCHEMA_DEPTH} levels.", param=param)
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
 
 
 def _strings(values: list[Any]) -> Iterator[str]:
@@ -168,4 +183,5 @@ def _response_schema(spec: ResponseFormat | None) -> dict[str, Any] | None:
         return {"type": "object"}
     if spec.json_schema is None:
         raise BadRequest("`response_format.json_schema` is required with type json_schema", param="response_format")
+    _check_nesting(spec.json_schema.schema_, "response_format")
     return spec.json_schema.schema_
