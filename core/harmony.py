@@ -151,6 +151,8 @@ def _conversation(h: Any, turns: Sequence[Turn], tools: Sequence[Tool], reasonin
 
 
 _WORD = re.compile(r"\S+")
+SHORT_TEXT = 32  # characters: a run this long costs harmony's BPE microseconds (~1 µs per 128-byte run)
+_PLACEHOLDER = re.compile(r"q([0-9a-f]{16})x([0-9]+)q")  # compiled once: the nonce is matched, not built in
 
 
 class _Placeholders:
@@ -162,15 +164,20 @@ class _Placeholders:
 
     def __init__(self) -> None:
         self._nonce = secrets.token_hex(8)
-        self._pattern = re.compile(f"q{self._nonce}x([0-9]+)q")
         self._texts: list[str] = []
 
     def mark(self, text: str) -> str:
-        """A placeholder of `text` (the empty text stays empty: Harmony leaves out empty messages)."""
-        if not text:
+        """A placeholder of `text`; a short text is left to harmony, which renders it in about the
+        time it renders the placeholder (the empty text must stay empty: Harmony leaves out empty
+        messages)."""
+        if len(text) <= SHORT_TEXT:
             return text
         self._texts.append(text)
         return f"q{self._nonce}x{len(self._texts) - 1}q"
+
+    def _text(self, match: re.Match[str]) -> str:
+        """The text a placeholder of this chat stands for (another nonce's is left as it is)."""
+        return self._texts[int(match[2])] if match[1] == self._nonce else match[0]
 
     def mark_words(self, text: str) -> str:
         """Each run of `text` without whitespace as a placeholder, the whitespace kept: harmony
@@ -195,7 +202,7 @@ class _Placeholders:
 
         text = encoding().decode_utf8(run) if run else ""
         if self._nonce in text:
-            out.extend(tokens.encode_ordinary(self._pattern.sub(lambda m: self._texts[int(m[1])], text)))
+            out.extend(tokens.encode_ordinary(_PLACEHOLDER.sub(self._text, text)))
         else:
             out.extend(run)
 

@@ -15,10 +15,26 @@ from hypothesis import strategies as st
 from core import harmony
 
 # Text that stresses the splice: whitespace at the edges and alone, line breaks of every kind,
-# special-token names (text in a content, never specials), emoji, CJK, and placeholder look-alikes.
-PIECES = st.sampled_from(
-    [" ", "  ", "\n", "\r\n", "\t", "\n\n", "<|start|>", "<|end|>", "<|message|>", "💥", "中文", "q0x1q", "{}", "//"]
-)
+# special-token names (text in a content, never specials), emoji, CJK, placeholder look-alikes,
+# and pieces long enough to be spliced.
+EDGES = [
+    " ",
+    "  ",
+    "\n",
+    "\r\n",
+    "\t",
+    "\n\n",
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "💥",
+    "中文",
+    "q0x1q",
+    "{}",
+    "//",
+]
+LONG = ["x" * 40, "💥" * 33, " word" * 9]  # past harmony.SHORT_TEXT: spliced, not left to harmony
+PIECES = st.sampled_from(EDGES) | st.sampled_from(LONG)
 TEXT = st.lists(PIECES | st.text(max_size=12), max_size=8).map("".join)
 NAME = st.from_regex(r"[A-Za-z0-9_-]{1,12}", fullmatch=True)
 TURNS = st.lists(
