@@ -23,6 +23,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
+from core import tokens
+
 VOCAB_FILE = "o200k_base.tiktoken"
 VOCAB_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 
@@ -199,8 +201,6 @@ class _Placeholders:
         return out
 
     def _run(self, run: list[int], out: list[int]) -> None:
-        from core import tokens  # here: its tokenizer is for processes that render chats
-
         text = encoding().decode_utf8(run) if run else ""
         if self._nonce in text:
             out.extend(tokens.encode_ordinary(_PLACEHOLDER.sub(self._text, text)))
