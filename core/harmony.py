@@ -112,12 +112,11 @@ def render_chat(turns: Sequence[Turn], tools: Sequence[Tool], *, reasoning_effor
     The chat's free text (contents, instructions, a call's arguments, a tool message's function,
     the words of a tool's description), each past `SHORT_TEXT` characters, reaches openai-harmony
     as a placeholder and is tokenized by bpe-openai when spliced back (`_Placeholders`): harmony's
-    own BPE takes time
-    quadratic in the length of a run without spaces and holds the GIL while it does (32 k emoji:
-    17 s), so one request could stall every stream of the process that renders it. The same ids
-    either way (tests/test_harmony_render.py). A tool's schema stays harmony's to render: the
-    gateway bounds its size (federation/gateway/chat.py). PromptTooLong: a text past what the
-    tokenizer takes at once."""
+    own BPE takes time quadratic in the length of a run without spaces and holds the GIL while it
+    does (32 k emoji: 17 s), so one request could stall every stream of the process that renders
+    it. The same ids either way (tests/test_harmony_render.py). A tool's schema stays harmony's to
+    render: the gateway bounds its size (federation/gateway/chat.py). PromptTooLong: a text past
+    what the tokenizer takes at once."""
     import openai_harmony as h
 
     marks = _Placeholders()

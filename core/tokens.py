@@ -63,20 +63,12 @@ def encode(text: str, limit: int | None = None) -> list[int]:
     """Token ids of `text`, Harmony special tokens included (as the HF tokenizer does). With a
     `limit`, raises PromptTooLong as soon as the pieces encoded so far are over it: a chat of many
     long messages costs at most the limit and one message to refuse, not all of it."""
-    enc = _encoding()
-    import bpe_openai  # loaded by `_encoding` (see there why not at the top)
-
     ids: list[int] = []
     start = 0
     for special in itertools.chain(_SPECIAL_SPLIT.finditer(text), [None]):  # lazily: a refusal ends the scan
         end = len(text) if special is None else special.start()
-        if end - start >= MAX_ENCODE_CHARS:
-            raise PromptTooLong(f"the text has {len(text)} characters, more than any context can hold")
         if end > start:
-            try:
-                ids.extend(enc.encode_ordinary(text[start:end]))
-            except bpe_openai.TokenLimitError:  # one piece past what the tokenizer takes at once
-                raise PromptTooLong(f"the text has {len(text)} characters, more than any context can hold") from None
+            ids.extend(_ordinary(text[start:end], len(text)))
         if special is not None:
             ids.append(HARMONY_SPECIALS[special.group()])
             start = special.end()
@@ -88,15 +80,21 @@ def encode(text: str, limit: int | None = None) -> list[int]:
 def encode_ordinary(text: str) -> list[int]:
     """Token ids of `text` with every special-token name in it as plain text (as Harmony renders
     a message's content), in time linear in its length; PromptTooLong past what bpe-openai takes."""
+    return _ordinary(text, len(text))
+
+
+def _ordinary(piece: str, text_chars: int) -> list[int]:
+    """`piece` of a text of `text_chars` characters, as plain text; PromptTooLong (naming the whole
+    text) for a piece bpe-openai refuses or would spend long on."""
     import bpe_openai  # loaded by `_encoding` (see there why not at the top)
 
     enc = _encoding()
-    if len(text) >= MAX_ENCODE_CHARS:
-        raise PromptTooLong(f"the text has {len(text)} characters, more than any context can hold")
+    if len(piece) >= MAX_ENCODE_CHARS:
+        raise PromptTooLong(f"the text has {text_chars} characters, more than any context can hold")
     try:
-        return enc.encode_ordinary(text)
+        return enc.encode_ordinary(piece)
     except bpe_openai.TokenLimitError:  # one piece past what the tokenizer takes at once
-        raise PromptTooLong(f"the text has {len(text)} characters, more than any context can hold") from None
+        raise PromptTooLong(f"the text has {text_chars} characters, more than any context can hold") from None
 
 
 _SPECIAL_NAMES = {i: name for name, i in HARMONY_SPECIALS.items()}
