@@ -92,17 +92,14 @@ def _check_schemas(tools: list[Tool]) -> None:
     """Tools' parameter schemas are rendered by openai-harmony's own tokenizer, whose time grows
     with the square of a run without spaces (core/harmony.py says why the rest of a chat is not):
     bounded, the worst schemas cost ~0.2 s to render, and real ones (words, short names) far less."""
-    for t in tools:
-        _check_nesting(t.function.parameters, "tools")
+    strings = [s for t in tools for s in _strings(t.function.parameters, "tools")]  # nesting checked first
     text = "".join(json.dumps(t.function.parameters, ensure_ascii=False) for t in tools)
     if len(text) > MAX_SCHEMA_CHARS:
         raise BadRequest(
             f"The tools' parameter schemas hold {len(text)} characters of JSON; at most {MAX_SCHEMA_CHARS}.",
             param="tools",
         )
-    longest = max(
-        (len(m[0]) for s in _strings([t.function.parameters for t in tools]) for m in _RUN.finditer(s)), default=0
-    )
+    longest = max((len(m[0]) for s in strings for m in _RUN.finditer(s)), default=0)
     if longest > MAX_SCHEMA_RUN:
         raise BadRequest(
             f"A tool's parameter schema holds a run of {longest} characters without whitespace; at most "
@@ -111,29 +108,24 @@ def _check_schemas(tools: list[Tool]) -> None:
         )
 
 
-def _check_nesting(schema: Any, param: str) -> None:
-    """A schema is written on to the sites by Python's `json.dumps`, which fails past ~1,000 levels
-    (the body's parser reads 1,024): deeper than any real schema is a 400, not an internal error."""
+def _strings(schema: Any, param: str) -> Iterator[str]:
+    """Every key and string value in JSON `schema`, walked without recursion. A schema is written
+    on to the sites by Python's `json.dumps`, which fails past ~1,000 levels (the body's parser
+    reads 1,024): one nested deeper than any real schema is a 400 naming `param`, not an internal
+    error."""
     stack = [(schema, 1)]
     while stack:
         value, depth = stack.pop()
-        if depth > MAX_SCHEMA_DEPTH:
-            raise BadRequest(f"A schema nests deeper than {MAX_SCHEMA_DEPTH} levels.", param=param)
-        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-
-
-def _strings(values: list[Any]) -> Iterator[str]:
-    """Every key and string value in JSON `values`, at any depth (walked without recursion)."""
-    while values:
-        value = values.pop()
         if isinstance(value, str):
             yield value
-        elif isinstance(value, dict):
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise BadRequest(f"A schema nests deeper than {MAX_SCHEMA_DEPTH} levels.", param=param)
+        if isinstance(value, dict):
             yield from value.keys()
-            values.extend(value.values())
-        elif isinstance(value, list):
-            values.extend(value)
+        stack.extend((child, depth + 1) for child in (value.values() if isinstance(value, dict) else value))
 
 
 def _turns(messages: list[Message]) -> list[harmony.Turn]:
@@ -183,5 +175,6 @@ def _response_schema(spec: ResponseFormat | None) -> dict[str, Any] | None:
         return {"type": "object"}
     if spec.json_schema is None:
         raise BadRequest("`response_format.json_schema` is required with type json_schema", param="response_format")
-    _check_nesting(spec.json_schema.schema_, "response_format")
+    for _ in _strings(spec.json_schema.schema_, "response_format"):  # walked for its nesting alone
+        pass
     return spec.json_schema.schema_
