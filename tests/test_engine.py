@@ -125,8 +125,10 @@ def test_step_wakeups_release_in_step_order() -> None:
 
 async def test_token_call_comes_at_the_step_that_makes_the_token(run_engine) -> None:
     """call_at_tokens(seq, n, ...) calls when the step that produces token n completes: the count is
-    then exactly n, and the time is the first token's plus the model's step durations."""
-    profile, prompt, speed = PROFILES["mi355x"], 100, 1.0
+    then exactly n, and the time is the first token's plus the model's step durations. At speed 0.1
+    a step is ~50 ms: this task asks for token n after token n-1's call, and at real speed (5-ms
+    steps) a busy machine woke it a step late, when token n had already been made."""
+    profile, prompt, speed = PROFILES["mi355x"], 100, 0.1
     engine = run_engine(profile, speed=speed)
     loop = asyncio.get_running_loop()
     seq = _seq(prompt, 12, loop.time())
