@@ -150,8 +150,9 @@ def command_line(recipe: Recipe, model: str, host: str, port: int) -> list[str]:
     ]
 
 
-def worker_env(recipe: Recipe, worker: int, base: Mapping[str, str]) -> dict[str, str]:
-    """Worker `worker`'s environment: `base`, the recipe's, and its own GPUs."""
-    first = worker * recipe.gpus_per_worker
+def worker_env(recipe: Recipe, worker: int, base: Mapping[str, str], first_gpu: int = 0) -> dict[str, str]:
+    """Worker `worker`'s environment: `base`, the recipe's, and its own GPUs, counted from the
+    host's GPU `first_gpu` (another agent on the host has those before it)."""
+    first = first_gpu + worker * recipe.gpus_per_worker
     gpus = ",".join(str(g) for g in range(first, first + recipe.gpus_per_worker))
     return {**base, **recipe.env, "HIP_VISIBLE_DEVICES": gpus}

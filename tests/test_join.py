@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import openai
+import psutil
 import pytest
 
 from core import wire
@@ -168,9 +169,10 @@ def test_a_site_loading_its_model_is_joining_and_gets_no_traffic(make_federation
     """An agent that launches its workers (`--launch emulator`: the recipe's command line, an
     emulated 5-s model load during which no worker port answers) registers at once: the site is
     `joining`, its worker loading, its weight format shown, and none of the requests sent
-    meanwhile go to it. Once its worker is up and probed it is ready and serves."""
+    meanwhile go to it. Once its worker is up and probed it is ready and serves. Started with
+    `--first-gpu 3` (the host's GPUs 0-2 another site's), its worker is given GPU 3."""
     fed, path = make_federation()
-    agent = _agent(fed, "--launch", "emulator", "--emulator-load-s", "5", "--speed", "10")
+    agent = _agent(fed, "--launch", "emulator", "--emulator-load-s", "5", "--speed", "10", "--first-gpu", "3")
     address = fed.config.scheduler_addresses[0]
 
     def newcomer() -> wire.SiteState | None:
@@ -180,6 +182,8 @@ def test_a_site_loading_its_model_is_joining_and_gets_no_traffic(make_federation
         assert poll_until(lambda: newcomer() is not None, 10.0) is not None
         site = newcomer()
         assert site is not None and site.status is wire.SiteStatus.JOINING, site
+        (worker,) = [p for p in psutil.Process(agent.pid).children() if "nodes.emulator" in p.cmdline()]
+        assert worker.environ()["HIP_VISIBLE_DEVICES"] == "3"
         assert (site.healthy_workers, site.loading_workers, site.weight_format) == (0, 1, "mxfp4")
         row = next(line for line in _status(path).stdout.splitlines() if line.startswith(NEWCOMER))
         assert "joining" in row.split() and "mxfp4" in row.split(), row
@@ -204,3 +208,17 @@ def test_a_site_loading_its_model_is_joining_and_gets_no_traffic(make_federation
         assert raw.headers["x-federation-site"] == NEWCOMER
     finally:
         agent.stop(10)
+
+
+def test_first_gpu_is_refused_where_the_agent_launches_nothing() -> None:
+    """`--first-gpu` says which of the host's GPUs launched workers take; with workers given by
+    URL or emulated in one process it would mean nothing, so it is refused, with the reason."""
+    args = ["--site", NEWCOMER, "--region", "eu-central-1", "--gpu", "mi355x", "--gpus", "1", "--insecure"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "nodes.agent", *args, "--worker-url", "http://127.0.0.1:9", "--first-gpu", "2"],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2 and "--first-gpu needs --launch" in proc.stderr, proc.stderr

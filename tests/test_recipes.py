@@ -116,4 +116,6 @@ def test_tp8_recipes_take_a_whole_node() -> None:
         assert recipe.workers(16) == 2
         envs = [worker_env(recipe, worker, {}) for worker in range(2)]
         assert [e["HIP_VISIBLE_DEVICES"] for e in envs] == ["0,1,2,3,4,5,6,7", "8,9,10,11,12,13,14,15"]
+        # an agent given the host's GPUs from 8 on (--first-gpu): its one worker takes those
+        assert worker_env(recipe, 0, {}, first_gpu=8)["HIP_VISIBLE_DEVICES"] == "8,9,10,11,12,13,14,15"
         assert all(e["SGLANG_USE_AITER"] == "0" for e in envs)

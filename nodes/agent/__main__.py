@@ -107,6 +107,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="first worker port (with --launch or --emulate; default: a free block)",
     )
     p.add_argument(
+        "--first-gpu",
+        type=runtime.non_negative_int,
+        default=0,
+        help="with --launch: the host's first GPU the workers take (HIP_VISIBLE_DEVICES counts from it), "
+        "so that a host's GPUs can be split between the agents of several sites (docs/DATAPATH.md)",
+    )
+    p.add_argument(
         "--emulator-load-s",
         type=runtime.non_negative_float,
         default=0.0,
@@ -132,6 +139,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.tls = mtls.from_arguments(p, args, Identity(Role.SITE, args.site))
     if args.gpus < 1:
         p.error("--gpus must be >= 1")
+    if args.first_gpu and not args.launch:
+        p.error("--first-gpu needs --launch (other workers are the ones given or emulated)")
     try:
         args.recipe = recipes.load_recipes(args.recipes)[args.gpu]
         args.recipe.workers(args.gpus)
@@ -200,7 +209,15 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     if launched:
         emulated = {} if args.launch == "sglang" else _emulator_env(args)
         launcher = Launcher(
-            recipe, args.launch, args.model, LAUNCHED_HOST, args.worker_port, pool, args.timings, emulated
+            recipe,
+            args.launch,
+            args.model,
+            LAUNCHED_HOST,
+            args.worker_port,
+            pool,
+            args.timings,
+            emulated,
+            args.first_gpu,
         )
         launcher.on_restart = service.metrics.worker_restarts.inc
         launcher.start()

@@ -57,9 +57,11 @@ class Launcher:
         pool: WorkerPool,
         timings: AgentTimings,
         env: Mapping[str, str] = {},
+        first_gpu: int = 0,
     ) -> None:
         """`program`: "sglang" or "emulator" (core.recipes.PROGRAMS); `env`: added to ours for
-        every worker (the emulator's settings); `pool`: holds a worker per URL of `urls(...)`."""
+        every worker (the emulator's settings); `pool`: holds a worker per URL of `urls(...)`;
+        `first_gpu`: the host's first GPU the workers take."""
         self.recipe = recipe
         self.timings = timings
         self._pool = pool
@@ -76,7 +78,7 @@ class Launcher:
                     *recipes.PROGRAMS[program],
                     *recipes.command_line(recipe, model, host, first_port + i),
                 ],
-                recipes.worker_env(recipe, i, base),
+                recipes.worker_env(recipe, i, base, first_gpu),
             )
             for i, worker in enumerate(pool.workers)
         ]
