@@ -56,7 +56,7 @@ def test_site_crash_drill_loses_nothing(tmp_path: Path) -> None:
     robin keeps half the requests at Korea: with this light load, least expected delay sent it
     so few that at the crash it sometimes held none, and there was nothing to resume.)"""
     report = _drill(tmp_path, "site-crash", scheduler="replicas: 2, policy: round_robin")
-    assert KEYS <= set(report)
+    assert KEYS <= set(report) and report["policy"] == "round_robin"  # the config's, not the drill's default
     assert report["scenario"] == "site-crash" and report["site"] == "kr-mi300x"
     assert report["requests_sent"] > 60 and report["requests_failed"] == 0 and report["lost"] == 0, report["errors"]
     assert report["detection_s"] is not None and report["detection_s"] <= 1.0

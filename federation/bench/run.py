@@ -133,12 +133,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def bench_config(
-    path: Path | None, speed: float | None, policy: str, stream_interval: int, gpus: dict[str, int] | None = None
+    path: Path | None,
+    speed: float | None,
+    policy: str | None,
+    stream_interval: int,
+    gpus: dict[str, int] | None = None,
 ) -> Config:
     """The federation to start, slowed down as a whole: GPUs and the data path's WAN round trips
     alike, so that a wall-clock second is `speed` GPU seconds on every token's way; the control
     plane's links keep their real round trips, as its clocks (heartbeats, timeouts) are not
-    slowed; on ports free now (`_on_free_ports`). `gpus`: sites given that many GPUs instead."""
+    slowed; on ports free now (`_on_free_ports`). `policy`: None keeps the config's; `gpus`:
+    sites given that many GPUs instead."""
     config = load(path).with_overrides(speed=speed or BENCH_SPEED, policy=policy, stream_interval=stream_interval)
     if gpus:
         config = config.with_gpus(gpus)

@@ -188,10 +188,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def drill_config(args: argparse.Namespace) -> Config:
-    """The bench's slowed federation (on free ports, every site's workers on known ones), with
-    as many gateway processes as the open requests need (one for the usual 18,000)."""
+    """The bench's slowed federation (on free ports, every site's workers on known ones), routing
+    by its config's policy, with as many gateway processes as the open requests need (one for
+    the usual 18,000)."""
     gpus = defaults_for(args.scenario).gpus if args.config is None else None
-    base = bench_config(args.config, args.speed, "least_expected_delay", args.stream_interval, gpus)
+    base = bench_config(args.config, args.speed, None, args.stream_interval, gpus)
     return dataclasses.replace(base, gateway_processes=math.ceil(args.open_requests / GATEWAY_STREAMS_PER_PROCESS))
 
 
@@ -248,7 +249,7 @@ def _drill_embedded(args: argparse.Namespace, site: str) -> dict[str, Any]:
         )
         try:
             federation.up()
-            return _drill(Target.embedded(federation), args, site)
+            return {**_drill(Target.embedded(federation), args, site), "policy": config.policy}
         finally:
             federation.down()
 
