@@ -506,7 +506,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Start the federation (mutual TLS, its processes' logs in fuzz.log beside --json), fuzz it,
     report; exit 1 if any rule was broken."""
-    config = bench_config(args.config, args.speed, "least_expected_delay", 1)
+    config = bench_config(args.config, args.speed, None, 1)
     log_path = (args.json.parent if args.json else Path(".")) / "fuzz.log"
     with log_path.open("w") as log:
         federation = Federation(config, log)
