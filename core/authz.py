@@ -30,6 +30,7 @@ ALLOWED: dict[str, frozenset[Role]] = {
     "RegisterSite": frozenset({_SITE}),
     "Report": frozenset({_SITE}),
     "Route": frozenset({_GATEWAY}),
+    "RouteStream": frozenset({_GATEWAY}),
     "GetState": frozenset({_GATEWAY, _OPERATOR}),
     "WatchState": frozenset({_GATEWAY, _OPERATOR}),
     "DrainSite": frozenset({_OPERATOR}),

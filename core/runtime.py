@@ -38,6 +38,10 @@ GRPC_SERVER_OPTIONS = (
     ("grpc.max_receive_message_length", 80 * 1024**2),
 )
 GENERATE_COMMAND_BYTES = 4 * 1024**2
+# A gateway asks at most this many routes in one RouteStream message, and a scheduler refuses
+# more: it decides a message's routes before reading the next, and the receive limit above
+# would let one message hold a million.
+ROUTE_CALLS_PER_MESSAGE = 256
 
 # gRPC clients: after a peer was unreachable (a partition, a restart), reconnect within a
 # second of it coming back. grpc-core's default backoff grows to 120 s, so a site healed

@@ -116,6 +116,26 @@ class RouteDecision:
 
 
 @dataclass(frozen=True, slots=True)
+class RouteCall:
+    """One route asked on a RouteStream call: `number` is the asker's, echoed in its answer."""
+
+    number: int
+    request: RouteRequest
+    trace_context: tuple[tuple[str, str], ...] = ()  # the W3C trace context, when traced
+
+
+@dataclass(frozen=True, slots=True)
+class RouteAnswer:
+    """A route's answer on a RouteStream call: a decision, or the gRPC status code (a
+    `grpc.StatusCode`'s number) and message that Route would have ended with."""
+
+    number: int
+    decision: RouteDecision | None
+    code: int = 0
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class SiteState:
     name: str
     region: str
@@ -258,6 +278,26 @@ def decision_to_pb(d: RouteDecision) -> pb.RouteDecision:
     return pb.RouteDecision(**_plain(d))
 
 
+def route_calls_to_pb(calls: Sequence[RouteCall]) -> pb.RouteCalls:
+    return pb.RouteCalls(
+        calls=[
+            pb.RouteCall(number=c.number, request=route_request_to_pb(c.request), trace_context=dict(c.trace_context))
+            for c in calls
+        ]
+    )
+
+
+def route_answers_to_pb(answers: Sequence[RouteAnswer]) -> pb.RouteAnswers:
+    return pb.RouteAnswers(
+        answers=[
+            pb.RouteAnswer(number=a.number, code=a.code, message=a.message)
+            if a.decision is None
+            else pb.RouteAnswer(number=a.number, decision=decision_to_pb(a.decision))
+            for a in answers
+        ]
+    )
+
+
 def site_state_to_pb(s: SiteState) -> pb.SiteState:
     return pb.SiteState(**{**_plain(s), "status": s.status.value})
 
@@ -367,6 +407,17 @@ def route_request_from_pb(m: pb.RouteRequest) -> RouteRequest:
 
 def decision_from_pb(m: pb.RouteDecision) -> RouteDecision:
     return RouteDecision(m.site, m.agent_address, m.expected_delay_s, m.reason)
+
+
+def route_calls_from_pb(m: pb.RouteCalls) -> list[RouteCall]:
+    return [RouteCall(c.number, route_request_from_pb(c.request), tuple(c.trace_context.items())) for c in m.calls]
+
+
+def route_answers_from_pb(m: pb.RouteAnswers) -> list[RouteAnswer]:
+    return [
+        RouteAnswer(a.number, decision_from_pb(a.decision) if a.HasField("decision") else None, a.code, a.message)
+        for a in m.answers
+    ]
 
 
 def site_state_from_pb(m: pb.SiteState) -> SiteState:

@@ -214,6 +214,11 @@ def message_values(descriptor: Descriptor) -> st.SearchStrategy[dict[str, Any]]:
     """Keyword arguments for a message of `descriptor`: each field absent, or any value of its type."""
     fields = {}
     for f in descriptor.fields:
+        entry = f.message_type if f.type == FieldDescriptor.TYPE_MESSAGE else None
+        if entry is not None and entry.GetOptions().map_entry:  # a map: keys and values of its types
+            key, value = entry.fields_by_name["key"], entry.fields_by_name["value"]
+            fields[f.name] = st.dictionaries(_scalar(key), st.deferred(lambda v=value: _scalar(v)), max_size=5)
+            continue
         value = st.deferred(lambda f=f: _scalar(f))
         fields[f.name] = st.lists(value, max_size=5) if f.is_repeated else value
     return st.fixed_dictionaries({}, optional=fields)
@@ -234,6 +239,7 @@ METHODS = (
     Method("Scheduler", "RegisterSite", pb.SiteRegistration, "unary", _SITE, GATEWAY),
     Method("Scheduler", "Report", pb.SiteReport, "bidi", _SITE, OPERATOR),
     Method("Scheduler", "Route", pb.RouteRequest, "unary", GATEWAY, _SITE),
+    Method("Scheduler", "RouteStream", pb.RouteCalls, "bidi", GATEWAY, _SITE),
     Method("Scheduler", "GetState", pb.StateRequest, "unary", OPERATOR, _SITE),
     Method("Scheduler", "WatchState", pb.StateRequest, "server_stream", GATEWAY, _SITE),
     Method("Scheduler", "DrainSite", pb.SiteRef, "unary", OPERATOR, GATEWAY),

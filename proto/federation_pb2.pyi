@@ -156,6 +156,47 @@ class RouteDecision(_message.Message):
     reason: str
     def __init__(self, site: _Optional[str] = ..., agent_address: _Optional[str] = ..., expected_delay_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class RouteCall(_message.Message):
+    __slots__ = ("number", "request", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    request: RouteRequest
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, number: _Optional[int] = ..., request: _Optional[_Union[RouteRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class RouteCalls(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[RouteCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[RouteCall, _Mapping]]] = ...) -> None: ...
+
+class RouteAnswer(_message.Message):
+    __slots__ = ("number", "decision", "code", "message")
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    decision: RouteDecision
+    code: int
+    message: str
+    def __init__(self, number: _Optional[int] = ..., decision: _Optional[_Union[RouteDecision, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RouteAnswers(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[RouteAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[RouteAnswer, _Mapping]]] = ...) -> None: ...
+
 class StateRequest(_message.Message):
     __slots__ = ("interval_s",)
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]

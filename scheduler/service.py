@@ -12,11 +12,12 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 import grpc
 import structlog
 
-from core import wire
+from core import runtime, wire
 from core.authz import UNGUARDED, Guard
 from core.credential import presented
 from core.policy import POLICIES, RouteContext
 from core.settings import SchedulerTimings
+from scheduler import spans
 from scheduler.metrics import SchedulerMetrics
 from scheduler.registry import RegistrationRefused, Registry, UnknownSite
 
@@ -25,6 +26,7 @@ log = structlog.get_logger("scheduler")
 # Checks skipped in a row for lag, at most: a scheduler lagging all the time (a flood of calls)
 # must still mark dead sites down, if later than it would idle.
 MAX_SKIPPED_CHECKS = 10
+NO_SITE = "no site is ready to serve"
 
 
 class _StreamRefused(Exception):
@@ -155,19 +157,41 @@ class SchedulerService(wire.SchedulerServicer):
 
     async def Route(self, request, context):
         await self.guard.admit(context, "Route")
+        decision = self._decide(wire.route_request_from_pb(request))
+        if decision is None:
+            # Not UNAVAILABLE: that is what a gateway retries (the scheduler itself unreachable).
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_SITE)
+        return wire.decision_to_pb(decision)
+
+    async def RouteStream(self, request_iterator, context) -> AsyncIterator:
+        """Route's decisions, many per message on one call: each message's answers go back as one."""
+        await self.guard.admit(context, "RouteStream")
+        async for message in request_iterator:
+            if len(message.calls) > runtime.ROUTE_CALLS_PER_MESSAGE:
+                limit = runtime.ROUTE_CALLS_PER_MESSAGE
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"at most {limit} routes in one message")
+            calls = wire.route_calls_from_pb(message)
+            yield wire.route_answers_to_pb([spans.answered(self._answer, call) for call in calls])
+
+    def _answer(self, call: wire.RouteCall) -> wire.RouteAnswer:
+        decision = self._decide(call.request)
+        if decision is None:
+            return wire.RouteAnswer(call.number, None, grpc.StatusCode.FAILED_PRECONDITION.value[0], NO_SITE)
+        return wire.RouteAnswer(call.number, decision)
+
+    def _decide(self, req: wire.RouteRequest) -> wire.RouteDecision | None:
+        """The site for `req` (None: no site is ready), counted unless it is a dry run."""
         started = time.perf_counter()
-        req = wire.route_request_from_pb(request)
         decision = self.policy(self.registry.routable(), req, RouteContext(self.rtt_s, self._decisions))
         if decision is None:
             self.metrics.routes.labels("", "no_site").inc()
-            # Not UNAVAILABLE: that is what a gateway retries (the scheduler itself unreachable).
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no site is ready to serve")
+            return None
         if not req.dry_run:
             self._decisions += 1
             self.registry.record_route(decision.site, req, time.monotonic())
         self.metrics.route_decision.observe(time.perf_counter() - started)
         self.metrics.routes.labels(decision.site, "dry_run" if req.dry_run else "routed").inc()
-        return wire.decision_to_pb(decision)
+        return decision
 
     def _state(self) -> wire.FederationState:
         return wire.FederationState(self.registry.states(), self.registry.model, tuple(self.registry.refused.values()))

@@ -1,8 +1,11 @@
-"""The scheduler's span: one per Route call, the child of the gateway's route span whose trace
-context the call carries in its metadata (core/tracing.py says why and how tracing is turned on).
+"""The scheduler's span: one per route, the child of the gateway's route span whose trace
+context the route carries: a Route call in its metadata, a route on a RouteStream call in its
+own message (core/tracing.py says why and how tracing is turned on).
 
-An interceptor, so that the service stays as it is: it wraps Route only (the report and watch
-streams are long-lived, not a request's), and is installed only when tracing is on.
+For Route, an interceptor, so that the service stays as it is: it wraps Route only (the report
+and watch streams are long-lived, not a request's), and is installed only when tracing is on.
+A RouteStream call carries many requests' routes, so the service has each one's span made here
+(`answered`).
 """
 
 from __future__ import annotations
@@ -51,13 +54,7 @@ class RouteSpans(grpc.aio.ServerInterceptor):
         async def traced(request: Any, context: grpc.aio.ServicerContext) -> Any:
             req = wire.route_request_from_pb(request)
             parent = tracing.parent_from(dict(context.invocation_metadata() or ()))
-            attributes = {
-                tracing.REQUEST_ID: req.request_id,
-                "federation.dry_run": req.dry_run,
-                "rpc.system": "grpc",
-                "rpc.method": "Route",
-            }
-            span = tracer.start_span(SPAN, parent, SpanKind.SERVER, attributes)
+            span = tracer.start_span(SPAN, parent, SpanKind.SERVER, _attributes(req, "Route"))
             with use_span(span, record_exception=False, set_status_on_exception=False):
                 try:
                     reply = await route(request, context)
@@ -77,3 +74,34 @@ class RouteSpans(grpc.aio.ServerInterceptor):
             return reply
 
         return traced
+
+
+def answered(answer: Callable[[wire.RouteCall], wire.RouteAnswer], call: wire.RouteCall) -> wire.RouteAnswer:
+    """`answer(call)`, in a span of its own while tracing is on (a RouteStream call's route)."""
+    tracer = tracing.tracer()
+    if tracer is None:
+        return answer(call)
+    parent = tracing.parent_from(dict(call.trace_context))
+    span = tracer.start_span(SPAN, parent, SpanKind.SERVER, _attributes(call.request, "RouteStream"))
+    with use_span(span, record_exception=False, set_status_on_exception=False):
+        try:
+            result = answer(call)
+        except BaseException as exc:
+            tracing.end(span, "error", f"{type(exc).__name__}: {exc}")
+            raise
+    if result.decision is None:
+        no_site = result.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+        tracing.end(span, "no_site" if no_site else "error", result.message)
+    else:
+        span.set_attributes({tracing.SITE: result.decision.site, "federation.reason": result.decision.reason})
+        tracing.end(span, "ok")
+    return result
+
+
+def _attributes(req: wire.RouteRequest, method: str) -> dict[str, Any]:
+    return {
+        tracing.REQUEST_ID: req.request_id,
+        "federation.dry_run": req.dry_run,
+        "rpc.system": "grpc",
+        "rpc.method": method,
+    }

@@ -64,6 +64,10 @@ def test_wrong_roles_wrong_sites_other_cas_and_plaintext_are_refused_and_change_
         assert why == f"site:{KR} may act only as site '{KR}', not '{US}'"
         # A site making routes (making another site look busy) or removing one.
         _refused(lambda: stub.Route(route, timeout=10), grpc.StatusCode.PERMISSION_DENIED)
+        routes = wire.route_calls_to_pb([wire.RouteCall(1, wire.route_request_from_pb(route))])
+        call = stub.RouteStream(iter([routes]), timeout=10)
+        why = _refused(lambda: list(call), grpc.StatusCode.PERMISSION_DENIED)
+        assert why == f"site:{KR} may not call RouteStream"
         _refused(lambda: stub.RemoveSite(wire.site_ref_to_pb(US), timeout=10), grpc.StatusCode.PERMISSION_DENIED)
 
     with _as(fed, GATEWAY).sync_channel(scheduler, SCHEDULER) as channel:

@@ -119,6 +119,7 @@ async def test_one_request_is_one_trace_across_gateway_scheduler_and_agent(make_
     assert request["context"]["trace_id"] != "0x" + CLIENT_TRACE
     assert route["parent_id"] == attempt["parent_id"] == request["context"]["span_id"]
     assert scheduled["parent_id"] == route["context"]["span_id"]
+    assert _attr(scheduled, "rpc.method") == "RouteStream"  # the gateway's one call per replica
     assert generated["parent_id"] == attempt["context"]["span_id"]
     assert worker["parent_id"] == generated["context"]["span_id"]
     assert [e["name"] for e in attempt["events"]] == ["first_token"]

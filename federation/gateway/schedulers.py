@@ -29,6 +29,7 @@ from core.policy import POLICIES, RouteContext, SiteLoad
 from core.settings import GatewayTimings
 from core.work import expected_output_tokens
 from federation.gateway import metrics
+from federation.gateway.routestream import RouteFailed, RouteStream
 
 log = structlog.get_logger("gateway")
 
@@ -68,6 +69,7 @@ class Schedulers:
         )  # a blackholed replica is found
         self._channels = [tls.channel(a, SCHEDULER, options) for a in self.addresses]
         self._stubs = [wire.SchedulerStub(c) for c in self._channels]
+        self._routes = [RouteStream(stub) for stub in self._stubs]  # one open call per replica
         self._current = 0  # the replica asked first
         self._silent: set[int] = set()  # replicas the watch found cut off: routes skip them
         self._policy = POLICIES[policy]
@@ -93,6 +95,8 @@ class Schedulers:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
+        for routes in self._routes:
+            await routes.close()
         for channel in self._channels:
             await channel.close()
 
@@ -108,8 +112,8 @@ class Schedulers:
         )
         try:
             return await retrying(self._route_on_any, req)
-        except grpc.aio.AioRpcError as exc:
-            raise NoCapacity(f"no site available: {exc.details() or exc.code().name}") from None
+        except RouteFailed as exc:
+            raise NoCapacity(f"no site available: {exc.details}") from None
         except RoundTimedOut:
             raise NoCapacity(f"no scheduler replica decided within {self.timings.route_budget_s:.0f} s") from None
 
@@ -117,26 +121,25 @@ class Schedulers:
         """The first replica not known to be cut off that answers; the last state when none does
         (RoundTimedOut when some only ran out of time while the watch still hears one: the
         gateway's own loop is busy, not the replicas gone)."""
-        message = wire.route_request_to_pb(req)
-        metadata = (("x-request-id", req.request_id), *tracing.outgoing())
+        trace_context = tracing.outgoing()
         calls = metrics.ROUTE_CALLS.labels("dry_run" if req.dry_run else "route")
         timed_out = False
-        for i in range(len(self._stubs)):
-            index = (self._current + i) % len(self._stubs)
+        for i in range(len(self._routes)):
+            index = (self._current + i) % len(self._routes)
             if index in self._silent:
                 continue
             calls.inc()
             try:
-                pb = await self._stubs[index].Route(message, timeout=self.timings.route_timeout_s, metadata=metadata)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in FAILOVER_CODES:
+                decision = await self._routes[index].route(req, self.timings.route_timeout_s, trace_context)
+            except RouteFailed as exc:
+                if exc.code not in FAILOVER_CODES:
                     raise
-                timed_out |= exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+                timed_out |= exc.code is grpc.StatusCode.DEADLINE_EXCEEDED
                 continue
             if index != self._current:
                 log.warning("scheduler.failover", to=self.addresses[index], request_id=req.request_id)
                 self._current = index
-            return wire.decision_from_pb(pb)
+            return decision
         if timed_out and self.watching is not None:
             raise RoundTimedOut
         return self._route_locally(req)
