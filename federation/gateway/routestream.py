@@ -19,8 +19,11 @@ import itertools
 from collections.abc import Sequence
 
 import grpc
+import structlog
 
 from core import runtime, wire
+
+log = structlog.get_logger("gateway")
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -34,6 +37,8 @@ class RouteFailed(Exception):
 
 
 class RouteStream:
+    """The routes this process asks one replica, on one call (see the module's docstring)."""
+
     def __init__(self, stub: wire.SchedulerStub) -> None:
         self._stub = stub
         self._numbers = itertools.count(1)
@@ -82,6 +87,10 @@ class RouteStream:
                     await call.write(wire.route_calls_to_pb(calls))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # the call ended: its reader says why
+        except Exception:  # a bug of ours: the routes waiting go to another replica rather than time out
+            log.exception("route_stream.write_failed")
+            self._broken(call, RouteFailed(grpc.StatusCode.UNAVAILABLE, "the gateway could not send the routes"))
+            call.cancel()
 
     async def _read_forever(self, call: grpc.aio.StreamStreamCall) -> None:
         try:

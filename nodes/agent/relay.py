@@ -35,6 +35,7 @@ from core import wire
 MAX_BATCH_BYTES = 64 * 1024
 DELTA_OVERHEAD_BYTES = 32  # a delta's fields besides its text and ids, roughly
 ID_BYTES = 4  # a token id as a varint, roughly
+NO_ERROR = wire.StreamError.NONE
 
 
 class Relayed:
@@ -118,6 +119,22 @@ class Relayed:
             self.token_logprobs, self.top = [], []
         return delta
 
+    @property
+    def flowing(self) -> bool:
+        """Its next delta is only new text and ids (not its first, its last, a failure or
+        logprobs): it may go in the batch's columns."""
+        return self.started and self.finish is None and self.error is NO_ERROR and not self.token_logprobs
+
+    def take_into(self, flow: wire.TokenFlow) -> None:
+        """Its next delta, into `flow`'s columns (when `flowing`)."""
+        text, ids = self.text, self.ids
+        flow.streams.append(self.stream)
+        flow.texts.append(text[0] if len(text) == 1 else "".join(text))
+        flow.id_counts.append(len(ids))
+        flow.ids.extend(ids)
+        flow.completion_tokens.append(self.completion_tokens)
+        self.text, self.ids, self.size_bytes = [], [], DELTA_OVERHEAD_BYTES
+
 
 class RelayCall:
     """The sending side of one Generate call: which records wait, when they are flushed.
@@ -168,26 +185,31 @@ class RelayCall:
                 await self._wake.wait()
                 self._wake.clear()
                 while self._urgent:
-                    await self._write(wire.token_batch_to_pb(self._take(), self._flow))
+                    await self._write(wire.token_batch_to_pb(*self._take()))
                 self._idle.set()
         finally:
             if self._timer is not None:
                 self._timer.cancel()
 
-    def _take(self) -> list[wire.TokenDelta]:
-        """The due records' deltas, up to one message's worth."""
-        deltas, size = [], 0
+    def _take(self) -> tuple[list[wire.TokenDelta], wire.TokenFlow]:
+        """The due records' deltas, up to one message's worth: the middle of answers in columns
+        when the gateway reads them, the others as TokenDeltas."""
+        deltas, flow, size = [], wire.TokenFlow.empty(), 0
+        columns = self._flow
         while self._urgent and size < MAX_BATCH_BYTES:
             record = next(iter(self._urgent))
             del self._urgent[record]
             self._waiting.pop(record, None)
             size += record.size_bytes
-            delta = record.take()
-            new, record.sent_tokens = delta.completion_tokens - record.sent_tokens, delta.completion_tokens
+            completion = record.completion_tokens
+            if columns and record.flowing:
+                record.take_into(flow)
+            else:
+                deltas.append(record.take())
+            new, record.sent_tokens = completion - record.sent_tokens, completion
             if new > 0:
                 self._on_sent(record, new)
-            deltas.append(delta)
         if not self._waiting and self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        return deltas
+        return deltas, flow
