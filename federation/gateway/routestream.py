@@ -4,13 +4,14 @@ Every request waits for its route before anything else happens to it, and a unar
 dearest way to ask: measured with grpc.aio on this 2-core VM, loopback, a unary round trip took
 1.2 ms and ~1.2 ms of CPU across both ends; a message each way on a call already open, 0.4 ms
 and ~0.55 ms. So each replica gets one long-lived call: routes go out numbered (those that pile
-up while a message is written go together in the next, up to ROUTE_CALLS_PER_MESSAGE), and their answers come back by number.
+up while a message is written go together in the next, up to ROUTE_CALLS_PER_MESSAGE), and
+their answers come back by number.
 
 A route the scheduler cannot decide is answered with the status code Route would have ended
-with; the call goes on. A replica too old to serve RouteStream is asked with unary calls, as
-before it (so gateways and schedulers may be upgraded in either order). A call that breaks fails every route waiting on it with the call's
+with; the call goes on. A call that breaks fails every route waiting on it with the call's
 status, which the asker treats as it would a unary call's (another replica, or degraded mode);
-the next route opens a new call.
+the next route opens a new call. A replica too old to serve RouteStream is asked with unary
+calls, as before it, so gateways and schedulers may be upgraded in either order.
 """
 
 from __future__ import annotations
