@@ -40,7 +40,8 @@ RESUMED = Counter(
 
 ROUTE_CALLS = Counter(
     "federation_gateway_route_calls",
-    "Route RPCs sent to scheduler replicas: kind=route commits a request, kind=dry_run only asks (latency mode).",
+    "Routes asked of scheduler replicas (each a RouteStream message, or a unary Route for an older replica): "
+    "kind=route commits a request, kind=dry_run only asks (latency mode).",
     ["kind"],
     registry=REGISTRY,
 )
