@@ -10,12 +10,12 @@ busy with streams: the floor under `fedctl bench --datapath`'s `overhead_ms_p50`
 import argparse
 import asyncio
 import random
-import re
 import statistics
 
 import aiohttp
 
-HOP = re.compile(r"hop;dur=([\d.]+)")
+from federation.bench.client import HOP, SITE_HEADER
+
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "zeta", "kappa", "sigma")
 
 
@@ -28,7 +28,7 @@ async def main(url: str, requests: int) -> None:
             async with session.post(url + "/v1/completions", json=body) as response:
                 response.raise_for_status()
                 hop = HOP.search(response.headers.get("Server-Timing", ""))
-                site = response.headers.get("X-Federation-Site", "?")
+                site = response.headers.get(SITE_HEADER, "?")
                 await response.read()
             if hop:
                 hops.setdefault(site, []).append(float(hop.group(1)))
