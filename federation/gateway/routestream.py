@@ -62,7 +62,8 @@ class RouteStream:
             except RouteFailed as exc:
                 if exc.code is not grpc.StatusCode.UNIMPLEMENTED:
                     raise
-                log.warning("route_stream.unimplemented", why="a scheduler replica older than RouteStream")
+                if not self._unary:  # said once, though every route waiting on the call hears it
+                    log.warning("route_stream.unimplemented", why="a scheduler replica older than RouteStream")
                 self._unary = True
         metadata = (("x-request-id", request.request_id), *trace_context)
         try:
