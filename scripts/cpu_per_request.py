@@ -37,7 +37,8 @@ def _processes() -> dict[str, list[psutil.Process]]:
         for kind, marker in KINDS.items():
             if marker in line:
                 found[kind].append(proc)
-        if "multiprocessing" in line and "-m nodes.agent" in " ".join(proc.parent().cmdline()):
+        parent = proc.parent() if "multiprocessing" in line else None
+        if parent is not None and "-m nodes.agent" in " ".join(parent.cmdline()):
             found["agent"].append(proc)
     return found
 
