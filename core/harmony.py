@@ -23,7 +23,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from core import tokens
+from core import cachedir, tokens
 
 VOCAB_FILE = "o200k_base.tiktoken"
 VOCAB_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
@@ -60,12 +60,11 @@ class Turn:
 
 
 def _vocab_dir() -> Path:
-    """A directory holding the vocabulary, written once (atomically: processes start together);
-    the user's cache, or the temporary directory where that cannot be written."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    for root in (cache, Path(tempfile.gettempdir())):
+    """A directory holding the vocabulary, written once: the user's cache, or the temporary
+    directory where that cannot be written (the file is checked against its SHA-256 either way)."""
+    for root in (cachedir.user_cache_dir(), Path(tempfile.gettempdir()) / "inference-federation"):
         try:
-            return _unpacked(root / "inference-federation" / "tiktoken")
+            return _unpacked(root / "tiktoken")
         except OSError:
             continue
     raise RuntimeError("no writable directory for the o200k vocabulary openai-harmony reads")
@@ -83,10 +82,7 @@ def _unpacked(base: Path) -> Path:
     data = gzip.decompress(packed.read_bytes())
     if hashlib.sha256(data).hexdigest() != VOCAB_SHA256:
         raise RuntimeError(f"{packed} is not the o200k vocabulary openai-harmony expects")
-    base.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=base, delete=False) as tmp:
-        tmp.write(data)
-    os.replace(tmp.name, target)
+    cachedir.write_atomically(target, data)
     return base
 
 

@@ -51,3 +51,26 @@ def test_output_plan_limits_and_stops() -> None:
         GenerateSpec(rid="a", prompt_tokens=10, max_new_tokens=5000, min_new_tokens=4000, seed=9), synth, 50
     )
     assert short.tokens >= 4000, "EOS never comes before min_new_tokens"
+
+
+def test_the_synthetic_stream_is_built_once_per_machine(tmp_path, monkeypatch) -> None:
+    """The first process to need the stream builds it and leaves it in the user's cache; the next
+    reads the same stream from there; a damaged file is not read but built and written again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = tokens._build_synthetic(70_000)
+
+    def fresh() -> tokens.SyntheticText:  # as a new process sees it
+        tokens.synthetic_text.cache_clear()
+        return tokens.synthetic_text(70_000)
+
+    try:
+        assert fresh() == built
+        (cached,) = (tmp_path / "inference-federation").glob("synthetic-*.bin")
+        assert fresh() == built and tokens._unpack(cached.read_bytes()) == built
+        damaged = bytearray(cached.read_bytes())
+        damaged[-1] ^= 0xFF
+        cached.write_bytes(bytes(damaged))
+        assert tokens._unpack(cached.read_bytes()) is None
+        assert fresh() == built and tokens._unpack(cached.read_bytes()) == built
+    finally:
+        tokens.synthetic_text.cache_clear()

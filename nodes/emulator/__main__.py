@@ -146,7 +146,8 @@ async def serve(args: argparse.Namespace) -> int:
     if args.load_s:  # SGLang answers on no port until its model is loaded
         log.info("emulator.loading_model", model_path=args.model_path, seconds=args.load_s)
         await asyncio.sleep(args.load_s)
-    tokens.synthetic_text()  # build once, before the first request pays for it
+    tokens.synthetic_text()  # built once per machine (then read from its cache)
+    tokens.count("warm up")  # the tokenizer loaded at start, as SGLang's is: no first request pays for it
     harmony.encoding()  # chats are answered in Harmony
     servers = [
         WorkerServer(
