@@ -148,8 +148,11 @@ class SyntheticText:
 def synthetic_text(max_window: int = 140_000) -> SyntheticText:
     """The stream, from this machine's cache once a process of ours has built it: building takes
     ~0.65 s of CPU, and `fedctl up` starts 32 emulated workers that each need it at start."""
-    path = cachedir.user_cache_dir() / f"synthetic-{_synthetic_key(max_window)}.bin"
-    with contextlib.suppress(OSError):
+    try:
+        path = cachedir.user_cache_dir() / f"synthetic-{_synthetic_key(max_window)}.bin"
+    except OSError:  # this module's source unreadable: nothing to name the stream's file by
+        return _build_synthetic(max_window)
+    with contextlib.suppress(OSError):  # not built yet
         cached = _unpack(path.read_bytes())
         if cached is not None:
             return cached
