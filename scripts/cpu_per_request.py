@@ -1,7 +1,7 @@
 """What a request costs each process before its tokens: CPU per request per process kind.
 
-Streamed completions (a ~1,000-word prompt, `--max-tokens` tokens asked, 1 by default), a few at
-a time, against `fedctl up` (or any federation of ours on this machine), and the CPU time (user +
+Streamed completions (a 1,000-token prompt, `--max-tokens` tokens asked, 1 by default), sent by
+`fedctl bench`'s client a few at a time, against `fedctl up` (or any federation of ours on this machine), and the CPU time (user +
 system, psutil) every gateway, scheduler and agent process spent meanwhile, divided by the
 requests, less what the same processes spend idle over as long (reports, watches, health checks).
 With one token asked, that is the per-request part of the data path (parse, tokenize, route,
@@ -12,13 +12,13 @@ start, end), which `fedctl bench --datapath` spreads over each answer's tokens. 
 
 import argparse
 import asyncio
-import random
 import time
 
-import aiohttp
 import psutil
 
-WORDS = ("alpha", "beta", "gamma", "delta", "omega", "zeta", "kappa", "sigma")
+from federation.bench import client
+from federation.bench.workload import LengthDistribution, WorkloadSpec
+
 KINDS = {
     "gateway": "-m federation.gateway",
     "scheduler": "-m scheduler",
@@ -47,29 +47,27 @@ def _cpu_s(procs: dict[str, list[psutil.Process]]) -> dict[str, float]:
     return {kind: sum(sum(p.cpu_times()[:2]) for p in group) for kind, group in procs.items()}
 
 
-async def _request(session: aiohttp.ClientSession, url: str, max_tokens: int) -> None:
-    prompt = " ".join(random.choice(WORDS) for _ in range(1000))
-    body = {"model": "openai/gpt-oss-120b", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-    async with session.post(url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        await response.read()
-
-
 async def main(url: str, requests: int, concurrency: int, max_tokens: int) -> None:
     procs = _processes()
     before = _cpu_s(procs)
     await asyncio.sleep(IDLE_S)
     idle_per_s = {kind: (used - before[kind]) / IDLE_S for kind, used in _cpu_s(procs).items()}
-    slots = asyncio.Semaphore(concurrency)
+    endpoint, slots, warm = url + "/v1", asyncio.Semaphore(concurrency), 2 * concurrency
+    fixed = WorkloadSpec(warm + requests, prompt=LengthDistribution(1000, 0), output=LengthDistribution(max_tokens, 0))
+    samples = fixed.samples()
 
-    async def one(session: aiohttp.ClientSession) -> None:
-        async with slots:
-            await _request(session, url, max_tokens)
+    async with client.session(endpoint) as http:
+        model = await client.served_model(http, endpoint)
 
-    async with aiohttp.ClientSession() as session:
-        await asyncio.gather(*(one(session) for _ in range(2 * concurrency)))  # connections and caches warm
+        async def one(sample) -> None:
+            async with slots:
+                result = await client.send(http, endpoint, model, sample)
+            if not result.ok:
+                raise RuntimeError(f"request {sample.index} failed: {result.error}")
+
+        await asyncio.gather(*map(one, samples[:warm]))  # connections and caches warm
         before, started = _cpu_s(procs), time.monotonic()
-        await asyncio.gather(*(one(session) for _ in range(requests)))
+        await asyncio.gather(*map(one, samples[warm:]))
         wall_s, after = time.monotonic() - started, _cpu_s(procs)
     print(f"{requests} requests ({max_tokens} tokens each) in {wall_s:.1f} s, {concurrency} at a time")
     for kind, used in after.items():
