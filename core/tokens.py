@@ -185,16 +185,11 @@ def _unpack(data: bytes) -> SyntheticText | None:
         return None
     magic, digest, n, text_bytes = _PACKED_HEAD.unpack_from(data)
     body = data[_PACKED_HEAD.size :]
-    if (
-        magic != _PACKED_MAGIC
-        or len(body) != _WORD * (2 * n + 1) + text_bytes
-        or hashlib.sha256(body).digest() != digest
-    ):
+    numbers_end = _WORD * (2 * n + 1)  # the ids, then the n + 1 character offsets
+    if magic != _PACKED_MAGIC or len(body) != numbers_end + text_bytes or hashlib.sha256(body).digest() != digest:
         return None
-    numbers = array.array("I", body[: _WORD * (2 * n + 1)])
-    return SyntheticText(
-        ids=tuple(numbers[:n]), text=body[_WORD * (2 * n + 1) :].decode(), char_starts=tuple(numbers[n:])
-    )
+    numbers = array.array("I", body[:numbers_end])
+    return SyntheticText(ids=tuple(numbers[:n]), text=body[numbers_end:].decode(), char_starts=tuple(numbers[n:]))
 
 
 def _build_synthetic(max_window: int) -> SyntheticText:
