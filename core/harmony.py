@@ -74,7 +74,7 @@ def _unpacked(base: Path) -> Path:
     target = base / VOCAB_FILE
     if target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == VOCAB_SHA256:
         return base
-    # Found, not imported: importing bpe_openai takes ~0.5 s, and the agent never tokenizes.
+    # Found, not imported: importing bpe_openai takes ~1.2 s, and the agent never tokenizes.
     spec = importlib.util.find_spec("bpe_openai")
     if spec is None or spec.origin is None:
         raise RuntimeError("bpe-openai, which ships the o200k vocabulary, is not installed")

@@ -11,10 +11,13 @@ stream sends is itself whole tokens.
 from __future__ import annotations
 
 import array
+import base64
 import bisect
 import contextlib
 import hashlib
+import gzip
 import importlib.metadata
+import importlib.util
 import itertools
 import random
 import re
@@ -22,13 +25,11 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
+from importlib.machinery import EXTENSION_SUFFIXES, ExtensionFileLoader
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from core import cachedir
-
-if TYPE_CHECKING:
-    import bpe_openai
 
 # Harmony special tokens of o200k_harmony (ids from the gpt-oss tokenizer).
 HARMONY_SPECIALS: Mapping[str, int] = {
@@ -50,8 +51,10 @@ SYNTHETIC_STREAM_TOKENS = 1 << 16  # length of the repeating synthetic output st
 _SYNTHETIC_WORD = re.compile(rb" [a-z]{3,9}")  # compiled once: it is tried on all ~200 k tokens
 
 
-# bpe-openai refuses to encode a piece this long; ~250 k tokens of prose, far past any context.
+# bpe-openai's wrapper refuses to encode a piece this long (~250 k tokens of prose) or one of
+# more tokens than this; both far past any context.
 MAX_ENCODE_CHARS = 1_000_000
+MAX_ENCODE_TOKENS = 200_000
 
 
 class PromptTooLong(ValueError):
@@ -59,12 +62,38 @@ class PromptTooLong(ValueError):
 
 
 @cache
-def _encoding() -> bpe_openai.Encoding:
-    # Imported here: `import bpe_openai` alone takes ~0.5 s (it loads several vocabularies), and
-    # most processes that import this module (fedctl, the agent) never tokenize.
-    import bpe_openai
+def _tokenizer() -> Any:
+    """bpe-openai's compiled o200k_base tokenizer (~0.1 s to build), loaded from its extension
+    module alone. `import bpe_openai` runs its tiktoken-style wrapper, which builds the Python
+    tables of three vocabularies at import (~1.2 s of CPU on this VM), and every emulated worker
+    and every gateway process tokenizes: `fedctl up` starts 32 of them."""
+    package = _bpe_openai_dir()
+    found = [package / f"_bindings{suffix}" for suffix in EXTENSION_SUFFIXES]
+    path = next((f for f in found if f.is_file()), None)
+    if path is None:
+        raise RuntimeError(f"bpe-openai at {package} has no compiled tokenizer (_bindings)")
+    loader = ExtensionFileLoader("bpe_openai._bindings", str(path))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    return module.tokenizer_for_encoding("o200k_base")
 
-    return bpe_openai.get_encoding("o200k_base")
+
+def _bpe_openai_dir() -> Path:
+    """bpe-openai's directory, found without importing the package (see `_tokenizer`)."""
+    spec = importlib.util.find_spec("bpe_openai")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("bpe-openai, which ships the o200k tokenizer, is not installed")
+    return Path(spec.origin).parent
+
+
+@cache
+def _token_byte_values() -> list[bytes]:
+    """Every o200k_base token's bytes, by id, from the vocabulary bpe-openai ships (~0.2 s, on
+    first use: only logprobs and building the synthetic stream ask)."""
+    packed = _bpe_openai_dir() / "data" / "o200k_base.tiktoken.gz"
+    lines = gzip.decompress(packed.read_bytes()).split()  # "<base64 bytes> <rank>" a line
+    ranked = {int(rank): base64.b64decode(raw) for raw, rank in zip(lines[::2], lines[1::2], strict=True)}
+    return [ranked.get(i, b"") for i in range(max(ranked) + 1)]
 
 
 def encode(text: str, limit: int | None = None) -> list[int]:
@@ -93,16 +122,16 @@ def encode_ordinary(text: str) -> list[int]:
 
 def _ordinary(piece: str, text_chars: int) -> list[int]:
     """`piece` of a text of `text_chars` characters, as plain text; PromptTooLong (naming the whole
-    text) for a piece bpe-openai refuses or would spend long on."""
-    import bpe_openai  # loaded by `_encoding` (see there why not at the top)
-
-    enc = _encoding()
+    text) for a piece bpe-openai would refuse (past its 200 k tokens at once) or spend long on."""
     if len(piece) >= MAX_ENCODE_CHARS:
         raise PromptTooLong(f"the text has {text_chars} characters, more than any context can hold")
     try:
-        return enc.encode_ordinary(piece)
-    except bpe_openai.TokenLimitError:  # one piece past what the tokenizer takes at once
-        raise PromptTooLong(f"the text has {text_chars} characters, more than any context can hold") from None
+        ids = _tokenizer().encode(piece)
+    except UnicodeEncodeError:  # a lone surrogate (JSON allows "\\ud800"): U+FFFD, as bpe-openai's wrapper does
+        ids = _tokenizer().encode(piece.encode("utf-16", "surrogatepass").decode("utf-16", "replace"))
+    if len(ids) > MAX_ENCODE_TOKENS:
+        raise PromptTooLong(f"the text has {text_chars} characters, more than any context can hold")
+    return ids
 
 
 _SPECIAL_NAMES = {i: name for name, i in HARMONY_SPECIALS.items()}
@@ -111,7 +140,12 @@ _SPECIAL_NAMES = {i: name for name, i in HARMONY_SPECIALS.items()}
 def token_bytes(token: int) -> bytes:
     """A token's bytes; a Harmony special (not in o200k_base) is its name."""
     name = _SPECIAL_NAMES.get(token)
-    return name.encode() if name is not None else _encoding().decode_single_token_bytes(token)
+    if name is not None:
+        return name.encode()
+    values = _token_byte_values()
+    if not 0 <= token < len(values) or not values[token]:
+        raise KeyError(f"token {token} is not in o200k_base")
+    return values[token]
 
 
 def count(text: str, limit: int | None = None) -> int:
@@ -194,11 +228,10 @@ def _unpack(data: bytes) -> SyntheticText | None:
 
 def _build_synthetic(max_window: int) -> SyntheticText:
     """Single-token words (one o200k token each, kept apart by its pre-split) in a seeded order."""
-    enc = _encoding()
     words = [
         (token_id, raw.decode())
-        for token_id, raw in enumerate(enc.token_byte_values())
-        if _SYNTHETIC_WORD.fullmatch(raw) and enc.encode_ordinary(raw.decode()) == [token_id]
+        for token_id, raw in enumerate(_token_byte_values())
+        if _SYNTHETIC_WORD.fullmatch(raw) and _tokenizer().encode(raw.decode()) == [token_id]
     ]
     rng = random.Random(20_260_101)  # fixed: the same text on every worker and every run
     period = max(SYNTHETIC_STREAM_TOKENS, max_window)
