@@ -14,8 +14,8 @@ import array
 import base64
 import bisect
 import contextlib
-import hashlib
 import gzip
+import hashlib
 import importlib.metadata
 import importlib.util
 import itertools

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from core import harmony, tokens
 from nodes.emulator.output import GenerateSpec, plan_output
@@ -17,6 +22,30 @@ def test_synthetic_windows_are_exact_tokens() -> None:
         offset, n = rng.randrange(10**9), rng.randint(1, 3000)
         text, ids = synth.window(offset, n)
         assert len(ids) == n and tokens.encode(text) == ids
+
+
+def test_the_compiled_tokenizer_agrees_with_harmony_and_loads_alone() -> None:
+    """bpe-openai's compiled tokenizer, loaded without its Python wrapper (whose import costs every
+    emulated worker and gateway ~1.2 s), gives openai-harmony's ids (another implementation of the
+    same BPE) and the bytes each id stands for; a lone surrogate, which JSON allows, is U+FFFD; a
+    text past the 200 k tokens bpe-openai takes at once is refused."""
+    probe = "import sys; from core import tokens; tokens.count('warm up'); print('bpe_openai' in sys.modules)"
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1]
+    )
+    assert loaded.stdout.strip() == "False"
+    rng = random.Random(5)
+    words = ["Hello,", "world!", "naïve", "café", "東京", "😀", "def", "f(x):", "\n", "  ", "<|end", "1234567"]
+    for _ in range(50):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 60)))
+        ids = tokens.encode_ordinary(text)
+        assert ids == harmony.encode(text)
+        assert b"".join(tokens.token_bytes(t) for t in ids) == text.encode()
+    assert tokens.encode_ordinary("a\ud800b") == tokens.encode_ordinary("a\ufffdb")
+    with pytest.raises(tokens.PromptTooLong):
+        tokens.encode("💥 " * 300_000)  # 600 k characters, 600 k tokens
+    with pytest.raises(KeyError):
+        tokens.token_bytes(200_010)  # past o200k_base, not a Harmony special
 
 
 def test_harmony_specials_count_as_one_token() -> None:
