@@ -51,8 +51,8 @@ SYNTHETIC_STREAM_TOKENS = 1 << 16  # length of the repeating synthetic output st
 _SYNTHETIC_WORD = re.compile(rb" [a-z]{3,9}")  # compiled once: it is tried on all ~200 k tokens
 
 
-# bpe-openai's wrapper refuses to encode a piece this long (~250 k tokens of prose) or one of
-# more tokens than this; both far past any context.
+# A piece refused as bpe-openai's wrapper refuses it: this many characters (~250 k tokens of
+# prose), or more tokens than this; both far past any context.
 MAX_ENCODE_CHARS = 1_000_000
 MAX_ENCODE_TOKENS = 200_000
 
@@ -88,7 +88,7 @@ def _bpe_openai_dir() -> Path:
 
 @cache
 def _token_byte_values() -> list[bytes]:
-    """Every o200k_base token's bytes, by id, from the vocabulary bpe-openai ships (~0.2 s, on
+    """Every o200k_base token's bytes, by id, from the vocabulary bpe-openai ships (~0.3 s, on
     first use: only logprobs and building the synthetic stream ask)."""
     packed = _bpe_openai_dir() / "data" / "o200k_base.tiktoken.gz"
     lines = gzip.decompress(packed.read_bytes()).split()  # "<base64 bytes> <rank>" a line
