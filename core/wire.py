@@ -474,10 +474,23 @@ TOKEN_FLOW_METADATA = ("federation-token-flow", "1")
 
 
 def token_batch_from_pb(m: pb.TokenBatch) -> list[TokenDelta]:
-    """The batch's TokenDeltas, then its TokenFlow's (each column read at once, not a field at
-    a time: this runs at the token rate). An error kind this gateway does not know (a newer
-    agent's) is a site failure all the same. Raises ValueError for columns that do not match."""
-    out = [
+    """Every delta of the batch as a TokenDelta: its messages', then its columns'. (The gateway
+    reads the columns apart, `token_flow_from_pb`, and builds no TokenDelta for them.) Raises
+    ValueError for columns that do not match."""
+    out = token_deltas_from_pb(m)
+    if m.HasField("flow"):
+        streams, texts, counts, ids, completions = token_flow_from_pb(m.flow)
+        new, at = tuple.__new__, 0  # a tuple's own constructor: half the NamedTuple's cost
+        for stream, text, count, completion in zip(streams, texts, counts, completions, strict=True):
+            out.append(new(TokenDelta, (stream, text, ids[at : at + count], completion, *_FLOW_DEFAULTS)))
+            at += count
+    return out
+
+
+def token_deltas_from_pb(m: pb.TokenBatch) -> list[TokenDelta]:
+    """The batch's TokenDelta messages (a stream's first, its last, a failure, logprobs). An error
+    kind this gateway does not know (a newer agent's) is a site failure all the same."""
+    return [
         TokenDelta(
             d.stream,
             d.text,
@@ -494,21 +507,17 @@ def token_batch_from_pb(m: pb.TokenBatch) -> list[TokenDelta]:
         )
         for d in m.deltas
     ]
-    if m.HasField("flow"):
-        out += _flow_from_pb(m.flow)
-    return out
 
 
-def _flow_from_pb(f: pb.TokenFlow) -> list[TokenDelta]:
+def token_flow_from_pb(f: pb.TokenFlow) -> tuple[list[int], list[str], list[int], tuple[int, ...], list[int]]:
+    """The middle of answers, as its columns: streams, texts, id counts, every id (a tuple, so that
+    each delta's slice of it is one), completion tokens so far; each column read at once, not a
+    field at a time (this runs at the token rate). Raises ValueError for columns that do not match."""
     streams, texts, counts, completions = list(f.streams), list(f.texts), list(f.id_counts), list(f.completion_tokens)
     ids = tuple(f.ids)
     if not len(streams) == len(texts) == len(counts) == len(completions) or sum(counts) != len(ids):
         raise ValueError("a TokenFlow whose columns do not match")
-    out, at, new = [], 0, tuple.__new__  # a tuple's own constructor: half the NamedTuple's cost
-    for stream, text, count, completion in zip(streams, texts, counts, completions, strict=True):
-        out.append(new(TokenDelta, (stream, text, ids[at : at + count], completion, *_FLOW_DEFAULTS)))
-        at += count
-    return out
+    return streams, texts, counts, ids, completions
 
 
 # A flow delta's fields after its completion_tokens: prompt_tokens and the rest at their defaults.

@@ -134,6 +134,10 @@ class AnswerSink(Protocol):
     def chunk(self, chunk: Chunk) -> None:
         """A chunk, in order; called as the site's deltas are read (it must not block)."""
 
+    def flow(self, text: str, output_ids: tuple[int, ...], completion_tokens: int, site: str) -> None:
+        """A chunk from the middle of the answer (no finish, no logprobs), as its fields: at the
+        token rate, a sink may write it without a Chunk built for it."""
+
     async def opened(self, site: str) -> None:
         """The answer has begun (its first chunk came from `site`): the client may be answered."""
 
@@ -207,6 +211,11 @@ class Generation:
         self._delivered = True
         self._out.chunk(chunk)
 
+    def _on_flow(self, site: str, text: str, output_ids: tuple[int, ...], completion_tokens: int) -> None:
+        """The middle of a site's answer (SiteStream.flowed), most of its deltas: no finish to read."""
+        self._delivered = True
+        self._out.flow(text, output_ids, self._count(site, text, output_ids, completion_tokens), site)
+
     def _on_delta(self, site: str, stream: SiteStream, delta: wire.TokenDelta) -> None:
         """A site's delta, as the upstream reads it (at the token rate: the common case first).
         SGLang's abort finish means the worker gave up on the request: the site failed it (its
@@ -256,7 +265,12 @@ class Generation:
             self._tried.add(decision.site)
             raise UpstreamFailed(f"site {decision.site}'s circuit opened while this request was routed")
         stream = spans.start_at_site(
-            self.upstream, decision, request, partial(self._on_delta, decision.site), self._produced
+            self.upstream,
+            decision,
+            request,
+            partial(self._on_delta, decision.site),
+            partial(self._on_flow, decision.site),
+            self._produced,
         )
         sent_at = time.monotonic()
         try:
@@ -289,15 +303,21 @@ class Generation:
 
     def _continued(self, delta: wire.TokenDelta, finish: dict[str, Any] | None, site: str) -> Chunk:
         """The delta as the client's one stream sees it: token count continued across sites."""
-        self._id_parts.append(delta.output_ids)
-        self._text_parts.append(delta.text)
-        produced = self._offset + delta.completion_tokens
-        if produced > self._produced:
-            metrics.RELAYED[site] += produced - self._produced
-        self._produced = produced
+        produced = self._count(site, delta.text, delta.output_ids, delta.completion_tokens)
         if finish is not None and self._offset and finish.get("type") == "length":
             finish = {**finish, "length": self._max_new_tokens}
         return _new(Chunk, (delta.text, delta.output_ids, produced, finish, site, delta.logprobs, delta.top))
+
+    def _count(self, site: str, text: str, output_ids: tuple[int, ...], completion_tokens: int) -> int:
+        """Keep what a site sent (a resume sends it to the next) and count it; returns the tokens
+        the client has been sent, continued across sites."""
+        self._id_parts.append(output_ids)
+        self._text_parts.append(text)
+        produced = self._offset + completion_tokens
+        if produced > self._produced:
+            metrics.RELAYED[site] += produced - self._produced
+        self._produced = produced
+        return produced
 
     @property
     def _max_new_tokens(self) -> int:

@@ -118,6 +118,8 @@ class Answer:
         self._responses = ResponseEvents(self) if job.kind == "responses" else None
         # Asked for: the log probabilities of the answer's tokens so far, and of the latest chunk's.
         self._logprobs_asked = job.request.logprobs
+        # A streamed completion without logprobs: a mid-answer chunk is its template around its text.
+        self._plain_stream = job.kind == "completion" and job.stream and not self._logprobs_asked
         self._completion_logprobs = logprobs.CompletionLogprobs()
         self.logprob_parts: list[Any] = []  # chat: content entries; completion: parts; generate: (id, lp, top)
         self._chunk_logprobs: Any = None
@@ -292,17 +294,32 @@ class Answer:
             if self.job.continuous_usage:
                 event["usage"] = usage(self.job, self.completion_tokens)
             return sse(event)
-        if not chunk.text:
-            return b""
+        return self._text_event(chunk.text) if chunk.text else b""
+
+    def flowed(
+        self, text: str, output_ids: tuple[int, ...], completion_tokens: int, site: str, started: float
+    ) -> bytes:
+        """`add` and `chunk_events` for a chunk from the middle of the answer (no finish, no
+        logprobs), most chunks by far: a plain streamed completion's straight from its template,
+        with no Chunk built; any other answer's as any chunk's."""
+        if not self._plain_stream:
+            chunk = Chunk(text, output_ids, completion_tokens, None, site)
+            self.add(chunk)
+            return self.chunk_events(chunk, started)
+        self.completion_tokens, self.site = completion_tokens, site
+        return self._text_event(text) if text else b""
+
+    def _text_event(self, text: str) -> bytes:
+        """A completion's text chunk: its template around `text` (and the usage so far, when asked)."""
         if not self._template:
             self._template = self._text_template()
         if len(self._template) == 3:  # continuous usage: the tokens so far on every chunk
             before, between, after = self._template
             prompt, completion = self.job.request.prompt_tokens, self.completion_tokens
             counts = _USAGE % (prompt, completion, prompt + completion)
-            return b"".join((before, orjson.dumps(chunk.text), between, counts, after))
+            return b"".join((before, orjson.dumps(text), between, counts, after))
         before, after = self._template
-        return b"".join((before, orjson.dumps(chunk.text), after))
+        return b"".join((before, orjson.dumps(text), after))
 
     def _chat_event(self, kind: harmony.PieceKind, text: str) -> bytes:
         """A chat chunk: reasoning, content, a tool call's start or its arguments so far."""
@@ -380,6 +397,9 @@ class Collected:
     def chunk(self, chunk: Chunk) -> None:
         self.answer.add(chunk)
 
+    def flow(self, text: str, output_ids: tuple[int, ...], completion_tokens: int, site: str) -> None:
+        self.answer.add(Chunk(text, output_ids, completion_tokens, None, site))
+
     def constrained_output_begun(self) -> bool:
         return self.answer.constrained_output_begun()
 
@@ -409,7 +429,13 @@ class SseClient:
     def chunk(self, chunk: Chunk) -> None:
         answer = self.answer
         answer.add(chunk)
-        data = answer.chunk_events(chunk, self._started)
+        self._queue(answer.chunk_events(chunk, self._started))
+
+    def flow(self, text: str, output_ids: tuple[int, ...], completion_tokens: int, site: str) -> None:
+        self._queue(self.answer.flowed(text, output_ids, completion_tokens, site, self._started))
+
+    def _queue(self, data: bytes) -> None:
+        """`data` to be written in the next pass (nothing is written before the headers went)."""
         if data:
             self._pending.append(data)
             if not self._queued and self._transport is not None:

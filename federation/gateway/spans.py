@@ -24,7 +24,7 @@ from opentelemetry.trace import Link, Span, SpanKind
 
 from core import tracing, wire
 from core.errors import NoCapacity, TooBusy
-from federation.gateway.upstream import Deliver, SiteStream, Upstream
+from federation.gateway.upstream import Deliver, Flow, SiteStream, Upstream
 
 REQUEST = "gateway.request"
 ROUTE = "gateway.route"
@@ -119,14 +119,19 @@ def _route_failure(exc: BaseException) -> tuple[str, str]:
 
 
 def start_at_site(
-    upstream: Upstream, decision: wire.RouteDecision, request: wire.GenerateRequest, deliver: Deliver, sent_tokens: int
+    upstream: Upstream,
+    decision: wire.RouteDecision,
+    request: wire.GenerateRequest,
+    deliver: Deliver,
+    flow: Flow,
+    sent_tokens: int,
 ) -> SiteStream:
     """`upstream.start` at the decided site, as an attempt with a span of its own when tracing is
     on: it ends with the site's stream (its answer's end, its failure, or its cancelling) and
     says which; `sent_tokens` (the client has them already) > 0 makes it a resume."""
     tracer = tracing.tracer()
     if tracer is None:
-        return upstream.start(decision.site, decision.agent_address, request, deliver)
+        return upstream.start(decision.site, decision.agent_address, request, deliver, flow)
     attributes = {
         tracing.REQUEST_ID: request.request_id,
         tracing.SITE: decision.site,
@@ -136,7 +141,7 @@ def start_at_site(
     span = tracer.start_span(ATTEMPT, kind=SpanKind.CLIENT, attributes=attributes)
     traceparent = dict(tracing.outgoing(span)).get("traceparent", "")
     request = dataclasses.replace(request, traceparent=traceparent)
-    stream = upstream.start(decision.site, decision.agent_address, request, deliver)
+    stream = upstream.start(decision.site, decision.agent_address, request, deliver, flow)
     stream.first.add_done_callback(lambda first: _first_token(span, first))
     stream.done.add_done_callback(lambda _: _attempt_over(span, stream))
     return stream

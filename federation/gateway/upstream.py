@@ -38,20 +38,24 @@ DELTAS_PER_TURN = 64
 START_BYTES = 256  # a start's fields besides its prompt, roughly (its message's size estimate)
 
 Deliver = Callable[["SiteStream", wire.TokenDelta], None]
+# The middle of an answer: its new text, ids and completion tokens so far (see SiteStream.flowed).
+Flow = Callable[[str, tuple[int, ...], int], None]
 NO_ERROR = wire.StreamError.NONE
 
 
 class SiteStream:
-    """One generation on a site. Its deltas go to `deliver` as they are read; `first` resolves
-    with its first delta and `done` at its end; either raises the failure that ended it."""
+    """One generation on a site. Its deltas go to `deliver` as they are read, the middle of its
+    answer to `flow` when given; `first` resolves with its first delta and `done` at its end;
+    either raises the failure that ended it."""
 
-    __slots__ = ("_call", "_deliver", "done", "first", "last_at", "number", "started_at")
+    __slots__ = ("_call", "_deliver", "_flow", "done", "first", "last_at", "number", "started_at")
 
-    def __init__(self, call: _Call, number: int, deliver: Deliver) -> None:
+    def __init__(self, call: _Call, number: int, deliver: Deliver, flow: Flow | None = None) -> None:
         loop = asyncio.get_running_loop()
         self._call = call
         self.number = number
         self._deliver = deliver
+        self._flow = flow
         self.first: asyncio.Future[wire.TokenDelta] = loop.create_future()
         self.done: asyncio.Future[None] = loop.create_future()
         self.started_at = self.last_at = time.monotonic()
@@ -70,14 +74,30 @@ class SiteStream:
         try:
             self._deliver(self, delta)
         except Exception:  # a bug of ours: this request fails, the others on the call go on
-            log.exception("upstream.deliver_failed", agent=self._call.address)
-            self.fail(UpstreamFailed("internal error in the gateway while relaying the answer"))
+            self._relay_failed()
         if failed:
             if not self.done.done():  # its deliver may have ended it
                 self.fail(self._call.error(delta))
         elif delta.finish_reason is not None and not self.done.done():
             self._call.forget(self.number)
             self.done.set_result(None)
+
+    def flowed(self, text: str, ids: tuple[int, ...], completion_tokens: int, now: float) -> None:
+        """A delta from the batch's columns: new text and ids, never a stream's first, its last or a
+        failure (the agent sends those whole). Handed to `flow` as they are, with no TokenDelta
+        built (this is the token rate); without a `flow`, or before the first delta, to `receive`."""
+        if self._flow is None or not self.first.done():
+            self.receive(wire.TokenDelta(self.number, text, ids, completion_tokens, 0), now)
+            return
+        self.last_at = now
+        try:
+            self._flow(text, ids, completion_tokens)
+        except Exception:  # a bug of ours, as in `receive`
+            self._relay_failed()
+
+    def _relay_failed(self) -> None:
+        log.exception("upstream.deliver_failed", agent=self._call.address)
+        self.fail(UpstreamFailed("internal error in the gateway while relaying the answer"))
 
     def fail(self, error: FederationError) -> None:
         """End the stream with `error` (at the agent too, if it still runs there)."""
@@ -157,27 +177,43 @@ class _Call:
             self._break(exc)
 
     async def _read_forever(self) -> None:
-        since_yield = 0
         try:
             while True:
                 pb = await self._grpc.read()
                 if pb is grpc.aio.EOF:
                     self._break(None)
                     return
-                now = time.monotonic()
-                for delta in wire.token_batch_from_pb(pb):
-                    stream = self.streams.get(delta.stream)
-                    if stream is not None:
-                        stream.receive(delta, now)
-                    since_yield += 1
-                    if since_yield >= DELTAS_PER_TURN:
-                        since_yield = 0
-                        await asyncio.sleep(0)
+                await self.hand_out(pb, time.monotonic())
         except grpc.aio.AioRpcError as exc:
             self._break(exc)
         except Exception as exc:  # a malformed batch, a bug of ours: fail over rather than hang
             log.exception("upstream.read_failed", agent=self.address)
             self._break(exc)
+
+    async def hand_out(self, batch: wire.pb.TokenBatch, now: float) -> None:
+        """Each of the batch's deltas to its stream: its messages, then its columns, each of those
+        handed on as its text, ids and count (`SiteStream.flowed`). The loop gets a turn every
+        DELTAS_PER_TURN deltas."""
+        handed = 0
+        for delta in wire.token_deltas_from_pb(batch):
+            stream = self.streams.get(delta.stream)
+            if stream is not None:
+                stream.receive(delta, now)
+            handed += 1
+            if handed % DELTAS_PER_TURN == 0:
+                await asyncio.sleep(0)
+        if not batch.HasField("flow"):
+            return
+        numbers, texts, counts, ids, completions = wire.token_flow_from_pb(batch.flow)
+        at = 0
+        for number, text, count, completion in zip(numbers, texts, counts, completions, strict=True):
+            stream = self.streams.get(number)
+            if stream is not None:
+                stream.flowed(text, ids[at : at + count], completion, now)
+            at += count
+            handed += 1
+            if handed % DELTAS_PER_TURN == 0:
+                await asyncio.sleep(0)
 
     def _break(self, exc: Exception | None) -> None:
         """The call is over: every stream still on it fails (and fails over)."""
@@ -213,12 +249,12 @@ class SiteLink:
         self._call: _Call | None = None
         self._retired: set[_Call] = set()  # broken calls, closed by the watcher
 
-    def start(self, number: int, request: wire.GenerateRequest, deliver: Deliver) -> SiteStream:
+    def start(self, number: int, request: wire.GenerateRequest, deliver: Deliver, flow: Flow | None) -> SiteStream:
         if self._call is None or self._call.broken is not None:
             if self._call is not None:
                 self._retired.add(self._call)
             self._call = _Call(self._stub, self.address)
-        stream = SiteStream(self._call, number, deliver)
+        stream = SiteStream(self._call, number, deliver, flow)
         self._call.start(number, request, stream)
         return stream
 
@@ -256,14 +292,17 @@ class Upstream:
         self._numbers = itertools.count(1)
         self._watch = asyncio.ensure_future(self._watch_forever())
 
-    def start(self, site: str, address: str, request: wire.GenerateRequest, deliver: Deliver) -> SiteStream:
-        """Start `request` at `site`'s agent at `address`; `deliver` gets its deltas as they come.
-        Close the stream when done with it (that cancels it at the agent if it still runs)."""
+    def start(
+        self, site: str, address: str, request: wire.GenerateRequest, deliver: Deliver, flow: Flow | None = None
+    ) -> SiteStream:
+        """Start `request` at `site`'s agent at `address`; `deliver` gets its deltas as they come,
+        and `flow`, when given, the middle of the answer (`SiteStream.flowed`). Close the stream
+        when done with it (that cancels it at the agent if it still runs)."""
         link = self._links.get((site, address))
         if link is None:
             link = SiteLink(site, address, self._timings, self._ping_timeout_s, self._tls)
             self._links[site, address] = link
-        return link.start(next(self._numbers), request, deliver)
+        return link.start(next(self._numbers), request, deliver, flow)
 
     async def _watch_forever(self) -> None:
         while True:
