@@ -183,14 +183,14 @@ class _Call:
                 if pb is grpc.aio.EOF:
                     self._break(None)
                     return
-                await self.hand_out(pb, time.monotonic())
+                await self._hand_out(pb, time.monotonic())
         except grpc.aio.AioRpcError as exc:
             self._break(exc)
         except Exception as exc:  # a malformed batch, a bug of ours: fail over rather than hang
             log.exception("upstream.read_failed", agent=self.address)
             self._break(exc)
 
-    async def hand_out(self, batch: wire.pb.TokenBatch, now: float) -> None:
+    async def _hand_out(self, batch: wire.pb.TokenBatch, now: float) -> None:
         """Each of the batch's deltas to its stream: its messages, then its columns, each of those
         handed on as its text, ids and count (`SiteStream.flowed`). The loop gets a turn every
         DELTAS_PER_TURN deltas."""
