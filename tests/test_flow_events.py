@@ -1,7 +1,8 @@
 """The middle of an answer reaches the client as the same events whichever way it is read: a
 plain streamed completion's chunks from the batch's columns (`Answer.flowed`, no Chunk built)
 are byte for byte what a whole delta's chunk makes (`Answer.add`, `chunk_events`), with the
-same count of tokens and site kept; any other answer takes the whole path."""
+same answer kept; any other answer (a chat, /generate, logprobs asked) takes the whole path and
+comes out the same too."""
 
 from __future__ import annotations
 
@@ -23,33 +24,25 @@ def _job(kind: str, *, continuous_usage: bool = False, logprobs: bool = False) -
     return Job(kind, request, 100, True, True, "openai/gpt-oss-120b", continuous_usage=continuous_usage)
 
 
-def _both(job: Job) -> tuple[Answer, Answer]:
-    flowed, whole = Answer(job), Answer(job)
+_JOBS = {
+    "completion": _job("completion"),
+    "completion, usage on every chunk": _job("completion", continuous_usage=True),
+    "completion with logprobs": _job("completion", logprobs=True),
+    "generate": _job("generate"),
+    "chat": _job("chat"),
+}
+
+
+@settings(deadline=None)  # the first chat loads openai-harmony
+@given(_chunks, st.sampled_from(sorted(_JOBS)))
+def test_the_middle_of_an_answer_is_the_same_events_read_from_the_columns(chunks, kind: str) -> None:
+    flowed, whole = Answer(_JOBS[kind]), Answer(_JOBS[kind])
     whole.created = flowed.created
-    return flowed, whole
-
-
-@given(_chunks, st.booleans())
-def test_a_completions_middle_is_the_same_events_read_from_the_columns(chunks, continuous_usage: bool) -> None:
-    flowed, whole = _both(_job("completion", continuous_usage=continuous_usage))
     produced = 0
     for text, ids in chunks:
         produced += len(ids)
         chunk = Chunk(text, ids, produced, None, "us-mi355x")
         whole.add(chunk)
         assert flowed.flowed(text, ids, produced, "us-mi355x", 0.0) == whole.chunk_events(chunk, 0.0)
-        assert (flowed.completion_tokens, flowed.site) == (produced, "us-mi355x")
-
-
-@settings(deadline=None)  # the first chat loads openai-harmony
-@given(_chunks, st.sampled_from(["logprobs", "generate", "chat"]))
-def test_any_other_answer_takes_the_whole_path(chunks, kind: str) -> None:
-    job = _job("completion", logprobs=True) if kind == "logprobs" else _job(kind)
-    flowed, whole = _both(job)
-    produced = 0
-    for text, ids in chunks:
-        produced += len(ids)
-        chunk = Chunk(text, ids, produced, None, "kr-mi300x")
-        whole.add(chunk)
-        assert flowed.flowed(text, ids, produced, "kr-mi300x", 0.0) == whole.chunk_events(chunk, 0.0)
-    assert (flowed.text, flowed.output_ids, flowed.completion_tokens) == (whole.text, whole.output_ids, produced)
+    kept = ("text", "output_ids", "completion_tokens", "site")
+    assert [getattr(flowed, k) for k in kept] == [getattr(whole, k) for k in kept]
