@@ -196,11 +196,15 @@ class RelayCall:
         when the gateway reads them, the others as TokenDeltas."""
         deltas, flow, size = [], wire.TokenFlow.empty(), 0
         columns = self._flow
-        while self._urgent and size < MAX_BATCH_BYTES:
-            record = next(iter(self._urgent))
+        taken = []
+        for record in self._urgent:  # in order, and past each once (popping the first of a dict
+            if size >= MAX_BATCH_BYTES:  # again and again walks every slot freed before it)
+                break
+            taken.append(record)
+            size += record.size_bytes
+        for record in taken:
             del self._urgent[record]
             self._waiting.pop(record, None)
-            size += record.size_bytes
             completion = record.completion_tokens
             if columns and record.flowing:
                 record.take_into(flow)
