@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.util
 import os
 import re
 import secrets
@@ -74,11 +73,7 @@ def _unpacked(base: Path) -> Path:
     target = base / VOCAB_FILE
     if target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == VOCAB_SHA256:
         return base
-    # Found, not imported: importing bpe_openai takes ~1.2 s, and the agent never tokenizes.
-    spec = importlib.util.find_spec("bpe_openai")
-    if spec is None or spec.origin is None:
-        raise RuntimeError("bpe-openai, which ships the o200k vocabulary, is not installed")
-    packed = Path(spec.origin).parent / "data" / (VOCAB_FILE + ".gz")
+    packed = tokens.packed_vocabulary()
     data = gzip.decompress(packed.read_bytes())
     if hashlib.sha256(data).hexdigest() != VOCAB_SHA256:
         raise RuntimeError(f"{packed} is not the o200k vocabulary openai-harmony expects")

@@ -86,12 +86,17 @@ def _bpe_openai_dir() -> Path:
     return Path(spec.origin).parent
 
 
+def packed_vocabulary() -> Path:
+    """The o200k_base vocabulary bpe-openai ships (tiktoken's format, gzipped), found without
+    importing the package (see `_tokenizer`)."""
+    return _bpe_openai_dir() / "data" / "o200k_base.tiktoken.gz"
+
+
 @cache
 def _token_byte_values() -> list[bytes]:
     """Every o200k_base token's bytes, by id, from the vocabulary bpe-openai ships (~0.3 s, on
     first use: only logprobs and building the synthetic stream ask)."""
-    packed = _bpe_openai_dir() / "data" / "o200k_base.tiktoken.gz"
-    lines = gzip.decompress(packed.read_bytes()).split()  # "<base64 bytes> <rank>" a line
+    lines = gzip.decompress(packed_vocabulary().read_bytes()).split()  # "<base64 bytes> <rank>" a line
     ranked = {int(rank): base64.b64decode(raw) for raw, rank in zip(lines[::2], lines[1::2], strict=True)}
     return [ranked.get(i, b"") for i in range(max(ranked) + 1)]
 
