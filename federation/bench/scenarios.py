@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import uvloop
 from tqdm import tqdm
 
 from federation.bench.client import Result, send, served_model, session
@@ -92,14 +93,14 @@ def run_plan(endpoint: str, plan: Sequence[Planned], max_in_flight: int, label: 
     file-descriptor limit asks for (each takes every k-th request, so order and arrivals hold)."""
     parts = client_processes(max_in_flight)
     if parts == 1:
-        return asyncio.run(_drive(endpoint, plan, max_in_flight, label, 0))
+        return uvloop.run(_drive(endpoint, plan, max_in_flight, label, 0))
     jobs = [(endpoint, plan[i::parts], math.ceil(max_in_flight / parts), label, i) for i in range(parts)]
     with multiprocessing.get_context("spawn").Pool(parts) as pool:  # leaving the block terminates them
         return [r for part in pool.starmap(_drive_in_process, jobs) for r in part]
 
 
 def _drive_in_process(endpoint: str, plan: Sequence[Planned], max_in_flight: int, label: str, part: int) -> list:
-    return asyncio.run(_drive(endpoint, plan, max_in_flight, label, part))
+    return uvloop.run(_drive(endpoint, plan, max_in_flight, label, part))
 
 
 async def _drive(endpoint: str, plan: Sequence[Planned], max_in_flight: int, label: str, part: int) -> list[Result]:
@@ -188,7 +189,7 @@ class _Client:
 
 
 def _sustain_in_process(client: _Client) -> list[Result]:
-    return asyncio.run(_sustain(client))
+    return uvloop.run(_sustain(client))
 
 
 async def _sustain(c: _Client) -> list[Result]:
