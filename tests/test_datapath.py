@@ -120,10 +120,11 @@ async def test_native_generate_streams_cumulatively_either_way(endpoint: str, in
         async with http.post(endpoint + "/generate", json=body) as resp:
             assert resp.status == 200
             hop = re.search(r"hop;dur=([0-9.]+)", resp.headers["Server-Timing"])
+            route = re.search(r"route;dur=([0-9.]+)", resp.headers["Server-Timing"])
             events = [
                 orjson.loads(line[6:]) for line in (await resp.read()).split(b"\n\n") if line.startswith(b"data: {")
             ]
-    assert hop is not None and float(hop.group(1)) < 1000
+    assert hop is not None and route is not None and 0 < float(route.group(1)) < float(hop.group(1)) < 1000
     lengths = [len(e["output_ids"]) for e in events]
     assert lengths == sorted(lengths) and lengths[-1] == ANSWER_TOKENS
     assert events[-1]["meta_info"]["completion_tokens"] == ANSWER_TOKENS

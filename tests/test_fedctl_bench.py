@@ -122,7 +122,11 @@ def test_datapath_reports_cpu_per_token_per_hop_beside_the_router(tmp_path: Path
         assert report[key] > 0, key
     assert report["tokens_per_s"] > 0 and report["client_events_per_s"] > 0
     assert 0 <= report["overhead_ms_p50"] <= report["overhead_ms_p99"]
+    assert 0 < report["route_ms_p50"] <= report["route_ms_p99"]
     assert isinstance(report["saturated"], bool) and 0 < report["machine_busy_share"] <= 1
+    waits = report["runqueue_wait_us_per_wakeup"]  # Linux keeps every thread's schedstat
+    assert {"gateway", "agent", "scheduler", "emulator", "client"} <= set(waits)
+    assert all(w is not None and w >= 0 for w in waits.values()), waits
     for name, phase in report["phases"].items():
         assert phase["requests_failed"] == 0, (name, phase["errors"])
     # Chunks on the agent's window carry many of these short steps' tokens; asked for, a chunk per

@@ -24,8 +24,10 @@ import orjson
 from federation.bench.workload import Sample
 
 SITE_HEADER = "X-Federation-Site"  # set by our gateway; peers leave it out
-# Our gateway's `Server-Timing: hop;dur=MS`: from the request's arrival to its agent taking it.
+# Our gateway's `Server-Timing: hop;dur=MS, route;dur=MS`: from the request's arrival to its
+# agent taking it, and to its route decided.
 HOP = re.compile(r"(?:^|,)\s*hop;dur=([0-9.]+)")
+ROUTE = re.compile(r"(?:^|,)\s*route;dur=([0-9.]+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,7 @@ class Result:
     cut: bool = False  # the client stopped reading at `stop_at`: `output_tokens` were received by `finished`
     events: int = 0  # stream events that carried text
     hop_ms: float | None = None  # the endpoint's `Server-Timing` hop (ours only)
+    route_ms: float | None = None  # and its route
 
     @property
     def ok(self) -> bool:
@@ -106,11 +109,11 @@ async def send(
     endpoint that says its tokens only at the end is read to the end."""
     started, first, tokens, site = started or time.monotonic(), None, 0, ""
     counted_at: float | None = None  # when a chunk last said how many tokens had come
-    events, hop_ms = 0, None
+    events, hop_ms, route_ms = 0, None, None
 
     def result(error: str | None = None, cut: bool = False, finished: float | None = None) -> Result:
         end = finished or time.monotonic()
-        return Result(sample.index, started, first, end, tokens, site, error, cut, events, hop_ms)
+        return Result(sample.index, started, first, end, tokens, site, error, cut, events, hop_ms, route_ms)
 
     try:
         async with asyncio.timeout_at(stop_at) as window:
@@ -120,8 +123,9 @@ async def send(
                 headers={"Content-Type": "application/json"},
             ) as resp:
                 site = resp.headers.get(SITE_HEADER, "")
-                hop = HOP.search(resp.headers.get("Server-Timing", ""))
-                hop_ms = float(hop.group(1)) if hop else None
+                timing = resp.headers.get("Server-Timing", "")
+                hop, route = HOP.search(timing), ROUTE.search(timing)
+                hop_ms, route_ms = (float(hop.group(1)) if hop else None), (float(route.group(1)) if route else None)
                 if resp.status != 200:
                     return result(f"HTTP {resp.status}: {(await resp.text())[:300]}")
                 async for line in resp.content:

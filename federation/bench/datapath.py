@@ -20,14 +20,19 @@ For each, the CPU time (user + system, from psutil) every process spent in the w
 (gateway, agent, scheduler, emulator, link, router, and the bench's own clients), over the
 output tokens and the stream events the clients received in it; tokens/s and events/s; and for
 the federation the hop overhead: from the gateway receiving a request to the site's agent taking
-it, less the link's one-way delay (the gateway's `Server-Timing: hop`; one machine, one clock).
+it, less the link's one-way delay (the gateway's `Server-Timing: hop`; one machine, one clock),
+and the part of it until the route was decided (`route`).
 Every process is on loopback: a socket write's kernel time includes the receiver's side too.
+And every process shares this machine's cores: each kind's mean wait for a core after a wakeup
+(`runqueue_wait_us_per_wakeup`, from the kernel's schedstat) says how much of the hop overhead,
+a chain of wakeups across the gateway, the scheduler and the agent, was a queue for the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import threading
@@ -87,6 +92,7 @@ class CpuSampler:
         self._thread: threading.Thread | None = None
         self._used: dict[str, tuple[float, float]] = {}
         self.machine_busy_share: float | None = None  # of all this machine's cores, over the window
+        self.waits: dict[str, RunqueueWait] = {}  # by kind, over the window (Linux; empty elsewhere)
 
     def start(self, window: tuple[float, float]) -> None:
         self.window = window
@@ -107,9 +113,12 @@ class CpuSampler:
         clients = [me.pid, *(p.pid for p in me.children(recursive=True) if p.pid not in named)]
         procs = {kind: _processes(pids) for kind, pids in {**self.kinds, "client": clients}.items()}
         before, machine_before = {kind: _times(ps) for kind, ps in procs.items()}, psutil.cpu_times()
+        waits_before = {kind: _schedstats(ps) for kind, ps in procs.items()}
         time.sleep(max(0.0, self.window[1] - time.monotonic()))
         after, machine_after = {kind: _times(ps) for kind, ps in procs.items()}, psutil.cpu_times()
+        waits_after = {kind: _schedstats(ps) for kind, ps in procs.items()}
         self.machine_busy_share = _busy_share(machine_before, machine_after)
+        self.waits = {kind: RunqueueWait.between(waits_before[kind], waits_after[kind]) for kind in procs}
         for kind, ps in procs.items():
             user, system = 0.0, 0.0
             for p in ps:
@@ -117,6 +126,54 @@ class CpuSampler:
                     user += after[kind][p.pid][0] - before[kind][p.pid][0]
                     system += after[kind][p.pid][1] - before[kind][p.pid][1]
             self._used[kind] = (user, system)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunqueueWait:
+    """How long the threads of one kind waited for a core after being woken, over a window, from
+    the kernel's per-thread `schedstat` (run ns, runqueue wait ns, times run). On a machine out of
+    CPU every hop of a request is a wakeup that waits its turn: this says how long a turn was."""
+
+    run_s: float
+    wait_s: float
+    wakeups: int
+
+    @classmethod
+    def between(cls, before: dict[tuple[int, int], tuple[int, int, int]], after) -> RunqueueWait:
+        run = wait = runs = 0
+        for thread, (run_ns, wait_ns, count) in after.items():
+            was = before.get(thread, (0, 0, 0))  # a thread started in the window counts from 0
+            run, wait, runs = run + run_ns - was[0], wait + wait_ns - was[1], runs + count - was[2]
+        return cls(run / 1e9, wait / 1e9, runs)
+
+    @property
+    def us_per_wakeup(self) -> float | None:
+        return round(self.wait_s / self.wakeups * 1e6, 1) if self.wakeups else None
+
+    @property
+    def share(self) -> float | None:
+        """Of the time its threads were runnable, the share spent waiting for a core."""
+        total = self.run_s + self.wait_s
+        return round(self.wait_s / total, 3) if total else None
+
+
+def _schedstats(procs: Sequence[psutil.Process]) -> dict[tuple[int, int], tuple[int, int, int]]:
+    """/proc/PID/task/TID/schedstat of every thread of `procs`: (ns on a core, ns waiting for
+    one, times run). Empty where the kernel does not keep them."""
+    out = {}
+    for p in procs:
+        try:
+            threads = os.listdir(f"/proc/{p.pid}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            try:
+                with open(f"/proc/{p.pid}/task/{tid}/schedstat") as f:
+                    run_ns, wait_ns, count = (int(x) for x in f.read().split()[:3])
+            except (OSError, ValueError):
+                continue  # the thread ended, or no schedstat here
+            out[(p.pid, int(tid))] = (run_ns, wait_ns, count)
+    return out
 
 
 def _busy_share(before, after) -> float | None:
@@ -186,6 +243,7 @@ def _phase(
     events_per_s = scenarios.window_rate(results, window, lambda r: r.events)
     in_window = [r for r in results if window[0] <= r.started < window[1]]
     hops = [r.hop_ms - one_way_ms.get(r.site, 0.0) for r in in_window if r.hop_ms is not None]
+    routes = [r.route_ms for r in in_window if r.route_ms is not None]
     tpots = [t * 1000 for r in results if (t := r.tpot_s) is not None and r.first_token and r.first_token < window[1]]
     failed = [r for r in results if not r.ok]
     cpu_s = {kind: user + system for kind, (user, system) in used.items()}
@@ -199,8 +257,12 @@ def _phase(
         "cpu_system_share": {k: round(s / (u + s), 3) if u + s else None for k, (u, s) in used.items()},
         "machine_busy_share": sampler.machine_busy_share,
         "saturated": (sampler.machine_busy_share or 0.0) >= SATURATED_SHARE,
+        "runqueue_wait_us_per_wakeup": {k: w.us_per_wakeup for k, w in sampler.waits.items()},
+        "runqueue_wait_share": {k: w.share for k, w in sampler.waits.items()},
         "overhead_ms_p50": _percentile(hops, 0.5),
         "overhead_ms_p99": _percentile(hops, 0.99),
+        "route_ms_p50": _percentile(routes, 0.5),
+        "route_ms_p99": _percentile(routes, 0.99),
         "tpot_ms_p50": _percentile(tpots, 0.5),
         "requests": len(results),
         "requests_failed": len(failed),
@@ -261,9 +323,12 @@ def run(args: argparse.Namespace, samples: Sequence[Sample], config: Config, log
         "every_event_agent_cpu_us_per_token": phases["federation every event"]["cpu_us_per_token"].get("agent"),
         "overhead_ms_p50": ours["overhead_ms_p50"],
         "overhead_ms_p99": ours["overhead_ms_p99"],
+        "route_ms_p50": ours["route_ms_p50"],  # of the overhead: until the route was decided
+        "route_ms_p99": ours["route_ms_p99"],
         "tpot_ms_p50": ours["tpot_ms_p50"],
         "machine_busy_share": ours["machine_busy_share"],
         "saturated": ours["saturated"],
+        "runqueue_wait_us_per_wakeup": ours["runqueue_wait_us_per_wakeup"],
         "phases": phases,
     }
 

@@ -161,9 +161,12 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
     )
 
     def headers() -> dict[str, str]:
-        """Said once the answer has begun: which site, and the hop from here to its agent."""
+        """Said once the answer has begun: which site, the hop from here to its agent, and the
+        part of it until the route was decided (the rest is the start's way to the agent)."""
         hop_ms = max(0.0, (generation.accepted_unix_s - received_unix_s) * 1000) if generation.accepted_unix_s else 0.0
-        return {"X-Request-Id": request_id, "X-Federation-Site": answer.site, "Server-Timing": f"hop;dur={hop_ms:.2f}"}
+        route_ms = (generation.routed_at - started) * 1000 if generation.routed_at else 0.0
+        timing = f"hop;dur={hop_ms:.2f}, route;dur={route_ms:.2f}"
+        return {"X-Request-Id": request_id, "X-Federation-Site": answer.site, "Server-Timing": timing}
 
     out = SseClient(request, answer, app[WRITES_KEY], headers) if job.stream else Collected(answer)
     generation = Generation(
