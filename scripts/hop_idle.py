@@ -1,8 +1,8 @@
 """The hop with nothing else running: one streamed completion at a time (a ~1,200-token prompt,
 4 tokens asked), and the gateway's `Server-Timing` of each, by site: the hop (from the gateway
-receiving the request to the site's agent taking it) and its route (to the route decided). What the path costs a request when no loop is
-busy with streams: the floor under `fedctl bench --datapath`'s `overhead_ms_p50`
-(docs/BENCHMARKS.md). Against `fedctl up` (or any endpoint of ours):
+receiving the request to the site's agent taking it) and its route (to the route decided). What
+the path costs a request when no loop is busy with streams: the floor under `fedctl bench
+--datapath`'s `overhead_ms_p50` (docs/BENCHMARKS.md). Against `fedctl up` (or any endpoint of ours):
 
     python3 scripts/hop_idle.py [--url http://127.0.0.1:8080] [--requests 150]
 """

@@ -128,6 +128,10 @@ class CpuSampler:
             self._used[kind] = (user, system)
 
 
+# (pid, tid) -> the kernel's schedstat of that thread: (ns on a core, ns waiting for one, times run)
+Schedstats = dict[tuple[int, int], tuple[int, int, int]]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RunqueueWait:
     """How long the threads of one kind waited for a core after being woken, over a window, from
@@ -139,7 +143,7 @@ class RunqueueWait:
     wakeups: int
 
     @classmethod
-    def between(cls, before: dict[tuple[int, int], tuple[int, int, int]], after) -> RunqueueWait:
+    def between(cls, before: Schedstats, after: Schedstats) -> RunqueueWait:
         run = wait = runs = 0
         for thread, (run_ns, wait_ns, count) in after.items():
             was = before.get(thread, (0, 0, 0))  # a thread started in the window counts from 0
@@ -157,10 +161,9 @@ class RunqueueWait:
         return round(self.wait_s / total, 3) if total else None
 
 
-def _schedstats(procs: Sequence[psutil.Process]) -> dict[tuple[int, int], tuple[int, int, int]]:
-    """/proc/PID/task/TID/schedstat of every thread of `procs`: (ns on a core, ns waiting for
-    one, times run). Empty where the kernel does not keep them."""
-    out = {}
+def _schedstats(procs: Sequence[psutil.Process]) -> Schedstats:
+    """/proc/PID/task/TID/schedstat of every thread of `procs`; empty where the kernel keeps none."""
+    out: Schedstats = {}
     for p in procs:
         try:
             threads = os.listdir(f"/proc/{p.pid}/task")
