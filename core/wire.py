@@ -8,6 +8,7 @@ frozen dataclasses below.
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import re
 from collections.abc import Sequence
@@ -479,11 +480,9 @@ def token_batch_from_pb(m: pb.TokenBatch) -> list[TokenDelta]:
     ValueError for columns that do not match."""
     out = token_deltas_from_pb(m)
     if m.HasField("flow"):
-        streams, texts, counts, ids, completions = token_flow_from_pb(m.flow)
-        new, at = tuple.__new__, 0  # a tuple's own constructor: half the NamedTuple's cost
-        for stream, text, count, completion in zip(streams, texts, counts, completions, strict=True):
-            out.append(new(TokenDelta, (stream, text, ids[at : at + count], completion, *_FLOW_DEFAULTS)))
-            at += count
+        new = tuple.__new__  # a tuple's own constructor: half the NamedTuple's cost
+        for stream, text, ids, completion in zip(*token_flow_from_pb(m.flow), strict=True):
+            out.append(new(TokenDelta, (stream, text, ids, completion, *_FLOW_DEFAULTS)))
     return out
 
 
@@ -509,15 +508,16 @@ def token_deltas_from_pb(m: pb.TokenBatch) -> list[TokenDelta]:
     ]
 
 
-def token_flow_from_pb(f: pb.TokenFlow) -> tuple[list[int], list[str], list[int], tuple[int, ...], list[int]]:
-    """The middle of answers, as its columns: streams, texts, id counts, every id (a tuple, so that
-    each delta's slice of it is one), completion tokens so far; each column read at once, not a
-    field at a time (this runs at the token rate). Raises ValueError for columns that do not match."""
+def token_flow_from_pb(f: pb.TokenFlow) -> tuple[list[int], list[str], list[tuple[int, ...]], list[int]]:
+    """The middle of answers, as its columns: streams, texts, each delta's ids (its slice of the
+    one ids column), completion tokens so far; each column read at once, not a field at a time
+    (this runs at the token rate). Raises ValueError for columns that do not match."""
     streams, texts, counts, completions = list(f.streams), list(f.texts), list(f.id_counts), list(f.completion_tokens)
     ids = tuple(f.ids)
     if not len(streams) == len(texts) == len(counts) == len(completions) or sum(counts) != len(ids):
         raise ValueError("a TokenFlow whose columns do not match")
-    return streams, texts, counts, ids, completions
+    bounds = itertools.pairwise(itertools.accumulate(counts, initial=0))
+    return streams, texts, [ids[start:end] for start, end in bounds], completions
 
 
 # A flow delta's fields after its completion_tokens: prompt_tokens and the rest at their defaults.

@@ -204,13 +204,10 @@ class _Call:
                 await asyncio.sleep(0)
         if not batch.HasField("flow"):
             return
-        numbers, texts, counts, ids, completions = wire.token_flow_from_pb(batch.flow)
-        at = 0
-        for number, text, count, completion in zip(numbers, texts, counts, completions, strict=True):
+        for number, text, ids, completion in zip(*wire.token_flow_from_pb(batch.flow), strict=True):
             stream = self.streams.get(number)
             if stream is not None:
-                stream.flowed(text, ids[at : at + count], completion, now)
-            at += count
+                stream.flowed(text, ids, completion, now)
             handed += 1
             if handed % DELTAS_PER_TURN == 0:
                 await asyncio.sleep(0)
