@@ -8,10 +8,13 @@ import asyncio
 from collections.abc import Iterator
 from typing import Any
 
+import orjson
 import pytest
 
+from core import wire
 from nodes.agent import worker_stream
 from nodes.agent.pool import Worker
+from nodes.agent.relay import RelayCall, Relayed
 from nodes.agent.sglang import WorkerFailed, WorkerRejected, WorkerUnreachable
 from nodes.emulator.launch import EmulatorProcess as Emulator
 from nodes.emulator.launch import launch
@@ -115,6 +118,17 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data)
 
 
+LENGTH = {"type": "length", "length": 6}
+DONE = b"data: [DONE]\n\n"
+
+
+def _event(text: Any = "a", output_ids: Any = (1,), completion_tokens: Any = 1, finish: Any = None) -> bytes:
+    """An incremental event of SGLang's /generate, its fields as given."""
+    meta = {"id": "r", "completion_tokens": completion_tokens, "finish_reason": finish, "prompt_tokens": 16}
+    body = {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
 @pytest.mark.parametrize(
     ("reply", "error", "message"),
     [
@@ -125,13 +139,28 @@ def _chunk(data: bytes) -> bytes:
         ),
         (HEAD + _chunk(b"data: {not json}\n\n"), WorkerFailed, "malformed event"),
         (HEAD + _chunk(b'data: {"text": "a"}\n\n'), WorkerFailed, "malformed event"),
+        (HEAD + _chunk(_event(output_ids=["x"])), WorkerFailed, r"malformed event.*\$\.output_ids\[0\]"),
+        (HEAD + _chunk(_event(text=7)), WorkerFailed, r"malformed event.*\$\.text"),
+        (HEAD + _chunk(_event(completion_tokens="1")), WorkerFailed, r"malformed event.*completion_tokens"),
         (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n", WorkerFailed, "503"),
         (b"NOT HTTP AT ALL\r\n\r\n", WorkerFailed, "malformed HTTP"),
         (HEAD + _chunk(b'data: {"error": {"message": "boom", "code": 500}}\n\n'), WorkerFailed, "boom"),
         (HEAD + _chunk(b'data: {"error": {"message": "bad stop", "code": 400}}\n\n'), WorkerRejected, "bad stop"),
         (HEAD + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n", None, None),
     ],
-    ids=["cut", "not-json", "not-sglang", "503", "not-http", "error-event", "refusal-event", "empty-answer"],
+    ids=[
+        "cut",
+        "not-json",
+        "not-sglang",
+        "ids-not-ints",
+        "text-not-text",
+        "count-not-int",
+        "503",
+        "not-http",
+        "error-event",
+        "refusal-event",
+        "empty-answer",
+    ],
 )
 async def test_a_broken_or_hostile_worker_fails_the_request_clearly(reply: bytes, error, message) -> None:
     """Whatever the worker sends, the call ends with the right kind of failure and a reason,
@@ -158,3 +187,44 @@ async def test_an_endless_event_is_cut_at_its_limit(monkeypatch: pytest.MonkeyPa
             await _generate(url, incremental=False)
     finally:
         server.close()
+
+
+async def test_a_malformed_event_fails_its_own_generation_not_the_batch() -> None:
+    """Two workers' answers relayed on one Generate call: one worker sends an id that is not an
+    integer. Its call fails as malformed; the other's tokens, all of them, still go out in the
+    call's batches (before typed decoding, the bad id reached the batch and ended the writer of
+    every generation on the call)."""
+    batches: list = []
+
+    async def write(pb) -> None:
+        batches.append(pb.SerializeToString())
+
+    relay = RelayCall(write, lambda record, tokens: None, coalesce_s=0.01, flow=True)
+    writer = asyncio.ensure_future(relay.write_forever())
+    good_events = b"".join(_chunk(_event(f"t{k}", [k], k + 1)) for k in range(5))
+    good, good_url = await _serve_bytes(HEAD + good_events + _chunk(_event("!", [5], 6, LENGTH)) + _chunk(DONE))
+    bad, bad_url = await _serve_bytes(HEAD + _chunk(_event("a", [1], 1)) + _chunk(_event("b", ["x"], 2)), close=False)
+    try:
+        records = [Relayed(relay, 1, False), Relayed(relay, 2, False)]
+        calls = [
+            await worker_stream.start(
+                url, PAYLOAD, incremental=True, on_event=record.event, heard=Worker(url), connect_timeout_s=5.0
+            )
+            for url, record in zip((good_url, bad_url), records, strict=True)
+        ]
+        async with asyncio.timeout(10):
+            await calls[0].done
+            with pytest.raises(WorkerFailed, match=r"malformed event.*output_ids"):
+                await calls[1].done
+            await relay.drained()
+        assert not writer.done()
+        deltas = [d for b in batches for d in wire.token_deltas_from_pb(wire.pb.TokenBatch.FromString(b))]
+        flows = [wire.token_flow_from_pb(wire.pb.TokenBatch.FromString(b).flow) for b in batches]
+        good_ids = [i for d in deltas if d.stream == 1 for i in d.output_ids]
+        good_ids += [i for streams, _, ids, _ in flows for s, d in zip(streams, ids, strict=True) if s == 1 for i in d]
+        assert sorted(good_ids) == list(range(6))
+        assert [d.finish_reason for d in deltas if d.stream == 1 and d.finish_reason] == [LENGTH]
+    finally:
+        writer.cancel()
+        for server in (good, bad):
+            server.close()

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import httptools
+import msgspec
 import orjson
 
 from nodes.agent.sglang import WorkerFailed, WorkerRejected, WorkerUnreachable, error_message
@@ -37,6 +38,33 @@ OnEvent = Callable[[str, list[int], int, int, dict[str, Any] | None], None]
 # Asked for (SGLang's return_logprob): the new tokens' log probabilities, and at each of their
 # positions the most likely (id, log probability) pairs; called just before the event's OnEvent.
 OnLogprobs = Callable[[list[float], list[tuple[tuple[int, float], ...]]], None]
+
+
+class _Meta(msgspec.Struct):
+    """What the agent reads of an event's `meta_info` (SGLang sends a dozen more fields; msgspec
+    skips them without building them)."""
+
+    completion_tokens: int
+    finish_reason: Any  # null while running, else SGLang's {"type": ...} (passed on as it is)
+    prompt_tokens: int = 0  # not in the event of a request aborted in the worker's queue
+    output_token_logprobs: list[Any] | None = None
+    output_top_logprobs: list[Any] | None = None
+
+
+class _Event(msgspec.Struct):
+    """One event of SGLang's /generate stream: an answer so far, or an error in its place. Decoded
+    straight into these fields and their types, at the token rate: an event whose fields are not of
+    SGLang's types fails its own call here, rather than the batch it would have gone into (a batch
+    is many generations' tokens). Also cheaper than a dict per event with every field of
+    `meta_info` (orjson): 0.6 against 1.3 µs per event, measured alone."""
+
+    text: str = ""
+    output_ids: list[int] = []
+    meta_info: _Meta | None = None
+    error: Any = None
+
+
+_decode_event = msgspec.json.Decoder(_Event).decode
 
 
 class Heard(Protocol):
@@ -166,26 +194,28 @@ class WorkerCall(asyncio.Protocol):
             self.done.set_result(None)
             self.close()
             return
-        body = orjson.loads(data)
-        if "error" in body:
-            err = body["error"]
+        body = _decode_event(data)
+        if body.error is not None:
+            err, message = body.error, error_message({"error": body.error})
             if isinstance(err, dict) and isinstance(err.get("code"), int) and err["code"] < 500:
-                raise WorkerRejected(error_message(body))
-            raise WorkerFailed(error_message(body))
-        meta = body["meta_info"]
-        text, ids = body["text"], body["output_ids"]
+                raise WorkerRejected(message)
+            raise WorkerFailed(message)
+        meta = body.meta_info
+        if meta is None:
+            raise ValueError("an event with neither meta_info nor error")
+        text, ids = body.text, body.output_ids
         if not self._incremental:
             text, ids = text[self._sent_text :], ids[self._sent_ids :]
             self._sent_text += len(text)
             self._sent_ids += len(ids)
         self.last_event_at = self._heard.last_event_at = time.monotonic()
-        if self._on_logprobs is not None and meta.get("output_token_logprobs"):
+        if self._on_logprobs is not None and meta.output_token_logprobs:
             self._logprobs(meta)
-        self._on_event(text, ids, meta["completion_tokens"], meta.get("prompt_tokens", 0), meta["finish_reason"])
+        self._on_event(text, ids, meta.completion_tokens, meta.prompt_tokens, meta.finish_reason)
 
-    def _logprobs(self, meta: dict[str, Any]) -> None:
+    def _logprobs(self, meta: _Meta) -> None:
         """SGLang's [logprob, id, text] triples (cumulative unless the worker streams increments)."""
-        chosen, top = meta["output_token_logprobs"], meta.get("output_top_logprobs") or []
+        chosen, top = meta.output_token_logprobs or [], meta.output_top_logprobs or []
         if not self._incremental:
             chosen, top = chosen[self._sent_logprobs :], top[self._sent_logprobs :]
             self._sent_logprobs += len(chosen)
