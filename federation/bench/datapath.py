@@ -212,8 +212,10 @@ def _federation_kinds(federation: Federation) -> dict[str, list[int]]:
     for child in federation.children:
         kind = child.name.split(" ")[0]
         kinds[kind].append(child.pid)
-        if kind == "agent":  # its emulated workers run in a process it started
-            kinds["emulator"] += [p.pid for p in psutil.Process(child.pid).children(recursive=True)]
+        if kind == "agent":  # its emulated workers run in processes it started; so do its reporter
+            for proc in psutil.Process(child.pid).children(recursive=True):  # and multiprocessing's
+                own = "multiprocessing" in " ".join(proc.cmdline())  # tracker, which are the agent's
+                kinds["agent" if own else "emulator"].append(proc.pid)
     return kinds
 
 
@@ -260,6 +262,7 @@ def _phase(
         "cpu_system_share": {k: round(s / (u + s), 3) if u + s else None for k, (u, s) in used.items()},
         "machine_busy_share": sampler.machine_busy_share,
         "saturated": (sampler.machine_busy_share or 0.0) >= SATURATED_SHARE,
+        "processes": {k: len(pids) for k, pids in kinds.items()},  # measured as each kind (not the clients)
         "runqueue_wait_us_per_wakeup": {k: w.us_per_wakeup for k, w in sampler.waits.items()},
         "runqueue_wait_share": {k: w.share for k, w in sampler.waits.items()},
         "overhead_ms_p50": _percentile(hops, 0.5),
