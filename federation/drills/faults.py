@@ -230,12 +230,23 @@ class SiteBrownout(Fault):
 
 
 class WorkerLoss(Fault):
+    """WORKERS_LOST of the site's workers die; of a smaller site, all but one (a site that loses
+    every worker is the all-workers-lost drill)."""
+
+    @staticmethod
+    def lost_of(workers: int) -> int:
+        return min(WORKERS_LOST, workers - 1)
+
+    @property
+    def _lost(self) -> int:
+        return self.lost_of(self.before.total_workers if self.before is not None else WORKERS_LOST + 1)
+
     def _inject(self, federation: Federation) -> None:
-        _post_all([url + "/_emulator/die" for url in self._workers(federation)[:WORKERS_LOST]], {})
+        _post_all([url + "/_emulator/die" for url in self._workers(federation)[: self._lost]], {})
 
     def detected(self) -> bool:
         state = self._state()
-        return state is not None and state.healthy_workers <= state.total_workers - WORKERS_LOST
+        return state is not None and state.healthy_workers <= state.total_workers - self._lost
 
     detected_age_s = Fault._workers_age_s
 
@@ -243,7 +254,7 @@ class WorkerLoss(Fault):
     def capacity_factor(self) -> float | None:
         if self.before is None or not self.before.total_workers:
             return None
-        return (self.before.total_workers - WORKERS_LOST) / self.before.total_workers
+        return (self.before.total_workers - self._lost) / self.before.total_workers
 
 
 class SchedulerCrash(Fault):

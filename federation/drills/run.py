@@ -49,6 +49,7 @@ from federation.drills.faults import (
     SCENARIOS,
     Fault,
     SiteBrownout,
+    WorkerLoss,
     poll_until,
 )
 from federation.drills.sampler import SiteTokenSampler, gateway_counters
@@ -240,6 +241,11 @@ def _drill_embedded(args: argparse.Namespace, site: str) -> dict[str, Any]:
     args.speed = args.speed or defaults_for(args.scenario).speed
     config = drill_config(args)
     _check_site(args, site, {s.name for s in config.sites})
+    gpus = next((s.gpus for s in config.sites if s.name == site), 0)
+    if args.scenario == "worker-loss" and WorkerLoss.lost_of(gpus) < 1:
+        raise DrillRefused(
+            f"worker-loss needs a site of 2 workers or more ({site} has {gpus}); all-workers-lost loses them all"
+        )
     log_path = (args.json.parent if args.json else Path(".")) / "drill-logs" / f"{args.scenario}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.unlink(missing_ok=True)
