@@ -123,9 +123,11 @@ DONE = b"data: [DONE]\n\n"
 
 
 def _event(text: Any = "a", output_ids: Any = (1,), completion_tokens: Any = 1, finish: Any = None) -> bytes:
-    """An incremental event of SGLang's /generate, its fields as given."""
+    """An incremental event of SGLang's /generate, its fields as given (no ids: none sent)."""
     meta = {"id": "r", "completion_tokens": completion_tokens, "finish_reason": finish, "prompt_tokens": 16}
-    body = {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+    body = {"text": text, "meta_info": meta}
+    if output_ids is not None:
+        body["output_ids"] = list(output_ids)
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
@@ -142,6 +144,7 @@ def _event(text: Any = "a", output_ids: Any = (1,), completion_tokens: Any = 1, 
         (HEAD + _chunk(_event(output_ids=["x"])), WorkerFailed, r"malformed event.*\$\.output_ids\[0\]"),
         (HEAD + _chunk(_event(text=7)), WorkerFailed, r"malformed event.*\$\.text"),
         (HEAD + _chunk(_event(completion_tokens="1")), WorkerFailed, r"malformed event.*completion_tokens"),
+        (HEAD + _chunk(_event(output_ids=None)), WorkerFailed, r"malformed event.*without its text, output_ids"),
         (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n", WorkerFailed, "503"),
         (b"NOT HTTP AT ALL\r\n\r\n", WorkerFailed, "malformed HTTP"),
         (HEAD + _chunk(b'data: {"error": {"message": "boom", "code": 500}}\n\n'), WorkerFailed, "boom"),
@@ -155,6 +158,7 @@ def _event(text: Any = "a", output_ids: Any = (1,), completion_tokens: Any = 1, 
         "ids-not-ints",
         "text-not-text",
         "count-not-int",
+        "no-ids",
         "503",
         "not-http",
         "error-event",
