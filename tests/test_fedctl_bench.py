@@ -129,9 +129,10 @@ def test_datapath_reports_cpu_per_token_per_hop_beside_the_router(tmp_path: Path
     assert all(w is not None and w >= 0 for w in waits.values()), waits
     for name, phase in report["phases"].items():
         assert phase["requests_failed"] == 0, (name, phase["errors"])
-    # Each agent's reporter process (its multiprocessing child) is measured as the agent's, not as
-    # the emulated workers it also started.
-    assert report["phases"]["federation"]["processes"]["agent"] >= 2 * len(sites)
+    # Each agent's reporter process (its multiprocessing child, beside multiprocessing's tracker) is
+    # measured as the agent's, the emulated workers it also started as the emulator's.
+    processes = report["phases"]["federation"]["processes"]
+    assert 2 * len(sites) <= processes["agent"] <= 3 * len(sites) and processes["emulator"] >= len(sites), processes
     # Chunks on the agent's window carry many of these short steps' tokens; asked for, a chunk per
     # worker event (the emulator merges a step or two when two cores fall behind it).
     phases = report["phases"]

@@ -214,7 +214,10 @@ def _federation_kinds(federation: Federation) -> dict[str, list[int]]:
         kinds[kind].append(child.pid)
         if kind == "agent":  # its emulated workers run in processes it started; so do its reporter
             for proc in psutil.Process(child.pid).children(recursive=True):  # and multiprocessing's
-                own = "multiprocessing" in " ".join(proc.cmdline())  # tracker, which are the agent's
+                try:  # tracker, which are the agent's
+                    own = "multiprocessing" in " ".join(proc.cmdline())
+                except psutil.Error:  # gone already: nothing of it to measure
+                    continue
                 kinds["agent" if own else "emulator"].append(proc.pid)
     return kinds
 

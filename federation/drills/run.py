@@ -241,11 +241,7 @@ def _drill_embedded(args: argparse.Namespace, site: str) -> dict[str, Any]:
     args.speed = args.speed or defaults_for(args.scenario).speed
     config = drill_config(args)
     _check_site(args, site, {s.name for s in config.sites})
-    gpus = next((s.gpus for s in config.sites if s.name == site), 0)
-    if args.scenario == "worker-loss" and WorkerLoss.lost_of(gpus) < 1:
-        raise DrillRefused(
-            f"worker-loss needs a site of 2 workers or more ({site} has {gpus}); all-workers-lost loses them all"
-        )
+    _check_workers(args, site, next(s.gpus for s in config.sites if s.name == site))
     log_path = (args.json.parent if args.json else Path(".")) / "drill-logs" / f"{args.scenario}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.unlink(missing_ok=True)
@@ -297,6 +293,8 @@ def _drill_endpoint(args: argparse.Namespace, site: str) -> dict[str, Any]:
     if not states:
         raise DrillRefused(f"no scheduler replica answered: {', '.join(schedulers)}")
     _check_site(args, site, set(states))
+    if site in states:  # add-site's is not there yet
+        _check_workers(args, site, states[site].total_workers)
     return _drill(target, args, site)
 
 
@@ -306,6 +304,14 @@ def _check_site(args: argparse.Namespace, site: str, sites: set[str]) -> None:
         raise DrillRefused(f"a site named {site!r} is already in the federation; name the new one with --site")
     if args.scenario != "add-site" and site not in sites:
         raise DrillRefused(f"no site named {site!r} (sites: {', '.join(sorted(sites))}); name one with --site")
+
+
+def _check_workers(args: argparse.Namespace, site: str, workers: int) -> None:
+    """worker-loss must leave the site a worker (losing them all is all-workers-lost)."""
+    if args.scenario == "worker-loss" and WorkerLoss.lost_of(workers) < 1:
+        raise DrillRefused(
+            f"worker-loss needs a site of 2 workers or more ({site} has {workers}); all-workers-lost loses them all"
+        )
 
 
 def _drill(target: Target, args: argparse.Namespace, site: str) -> dict[str, Any]:
