@@ -241,7 +241,8 @@ def _drill_embedded(args: argparse.Namespace, site: str) -> dict[str, Any]:
     args.speed = args.speed or defaults_for(args.scenario).speed
     config = drill_config(args)
     _check_site(args, site, {s.name for s in config.sites})
-    _check_workers(args, site, next(s.gpus for s in config.sites if s.name == site))
+    if args.scenario == "worker-loss":
+        _check_workers(site, next(s.gpus for s in config.sites if s.name == site))
     log_path = (args.json.parent if args.json else Path(".")) / "drill-logs" / f"{args.scenario}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.unlink(missing_ok=True)
@@ -293,8 +294,8 @@ def _drill_endpoint(args: argparse.Namespace, site: str) -> dict[str, Any]:
     if not states:
         raise DrillRefused(f"no scheduler replica answered: {', '.join(schedulers)}")
     _check_site(args, site, set(states))
-    if site in states:  # add-site's is not there yet
-        _check_workers(args, site, states[site].total_workers)
+    if args.scenario == "worker-loss":
+        _check_workers(site, states[site].total_workers)
     return _drill(target, args, site)
 
 
@@ -306,9 +307,9 @@ def _check_site(args: argparse.Namespace, site: str, sites: set[str]) -> None:
         raise DrillRefused(f"no site named {site!r} (sites: {', '.join(sorted(sites))}); name one with --site")
 
 
-def _check_workers(args: argparse.Namespace, site: str, workers: int) -> None:
+def _check_workers(site: str, workers: int) -> None:
     """worker-loss must leave the site a worker (losing them all is all-workers-lost)."""
-    if args.scenario == "worker-loss" and WorkerLoss.lost_of(workers) < 1:
+    if WorkerLoss.lost_of(workers) < 1:
         raise DrillRefused(
             f"worker-loss needs a site of 2 workers or more ({site} has {workers}); all-workers-lost loses them all"
         )
