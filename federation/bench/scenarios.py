@@ -203,10 +203,13 @@ async def _sustain(c: _Client) -> list[Result]:
                 await asyncio.sleep(c.ramp_s * k / c.lanes)
                 while time.monotonic() < c.stop_at:
                     sample = next(feed)
-                    results.append(
-                        await send(http, c.endpoint, model, sample, stop_at=c.cut_at, stream_interval=c.stream_interval)
+                    result = await send(
+                        http, c.endpoint, model, sample, stop_at=c.cut_at, stream_interval=c.stream_interval
                     )
+                    results.append(result)
                     bar.update()
+                    if result.cut:  # the window is over, whatever this clock says: the cut's timer runs
+                        break  # on the loop's (uvloop's, in ms), which can be a hair ahead of it
 
             await asyncio.gather(*(lane(k) for k in range(c.lanes)))
     return results
