@@ -239,7 +239,7 @@ class WorkerLoss(Fault):
 
     @property
     def _lost(self) -> int:
-        return self.lost_of(self.before.total_workers if self.before is not None else WORKERS_LOST + 1)
+        return self.lost_of(self.before.total_workers) if self.before is not None else WORKERS_LOST
 
     def _inject(self, federation: Federation) -> None:
         _post_all([url + "/_emulator/die" for url in self._workers(federation)[: self._lost]], {})
