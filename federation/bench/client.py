@@ -16,11 +16,10 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
-import aiohttp
 import orjson
 
+from federation.bench.connections import AnswerFailed, Connection, Session
 from federation.bench.workload import Sample
 
 SITE_HEADER = "X-Federation-Site"  # set by our gateway; peers leave it out
@@ -56,21 +55,15 @@ class Result:
         return (self.finished - self.first_token) / (self.output_tokens - 1)
 
 
-def session(endpoint: str = "", part: int = 0) -> aiohttp.ClientSession:
-    """One connection per open request, no total timeout (an Offline answer may wait minutes).
-    To a gateway on this machine, client process `part` connects from a loopback address of its
-    own: one source address has ~28 k ephemeral ports for a destination, and a drill keeps
-    32,000 requests open."""
-    local = urlsplit(endpoint).hostname == "127.0.0.1"
-    connector = aiohttp.TCPConnector(
-        limit=0, limit_per_host=0, local_addr=(f"127.0.0.{2 + part}", 0) if local else None
-    )
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=60))
+def session(endpoint: str = "", part: int = 0) -> Session:
+    """A client process's connections: kept alive, no total timeout (an Offline answer may wait
+    minutes); see federation/bench/connections.py."""
+    return Session(endpoint, part)
 
 
-async def served_model(http: aiohttp.ClientSession, endpoint: str) -> str:
+async def served_model(http: Session, endpoint: str) -> str:
     """The first model the endpoint lists (`endpoint` ends in /v1)."""
-    async with http.get(endpoint + "/models") as resp:
+    async with http.http.get(endpoint + "/models") as resp:
         resp.raise_for_status()
         return (await resp.json(content_type=None))["data"][0]["id"]  # the sglang-router says text/plain
 
@@ -91,8 +84,65 @@ def body(model: str, sample: Sample, stream_interval: int | None = None) -> byte
     return orjson.dumps(request)
 
 
+class _Reading:
+    """One answer as it arrives (a connections.Reader): its first text, its chunks, and the tokens
+    the last chunk said had come."""
+
+    def __init__(self, sample: Sample, started: float, on_first_token: Callable[[], None] | None) -> None:
+        self.sample, self.started, self._on_first_token = sample, started, on_first_token
+        self.window: asyncio.Timeout | None = None
+        self.first: float | None = None
+        self.tokens, self.events = 0, 0
+        self.counted_at: float | None = None  # when a chunk last said how many tokens had come
+        self.site, self.status = "", 0
+        self.hop_ms: float | None = None
+        self.route_ms: float | None = None
+        self.refusal: str | None = None
+        self.ended = False  # the connection said the answer is over (`done` may be cancelled before)
+        self.done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()  # its error
+
+    def result(self, error: str | None = None, cut: bool = False, finished: float | None = None) -> Result:
+        end = finished or time.monotonic()
+        return Result(
+            self.sample.index, self.started, self.first, end, self.tokens, self.site, error, cut, self.events,
+            self.hop_ms, self.route_ms,
+        )  # fmt: skip
+
+    def head(self, status: int, headers: dict[str, str]) -> None:
+        self.status, self.site = status, headers.get(SITE_HEADER.lower(), "")
+        timing = headers.get("server-timing", "")
+        hop, route = HOP.search(timing), ROUTE.search(timing)
+        self.hop_ms, self.route_ms = (float(hop.group(1)) if hop else None), (float(route.group(1)) if route else None)
+
+    def line(self, line: bytes) -> None:
+        if not line.startswith(b"data: {"):
+            return
+        event = orjson.loads(line[len(b"data: ") :])
+        if "error" in event:
+            raise AnswerFailed(f"stream error: {event['error']}")
+        has_text = any(c.get("text") for c in event.get("choices", ()))
+        self.events += has_text
+        usage = event.get("usage")
+        if self.first is None and has_text:
+            self.first = time.monotonic()
+            if self._on_first_token is not None:
+                self._on_first_token()
+            if not usage and self.window is not None:
+                self.window.reschedule(None)  # its tokens come only at the end: read to it
+        if usage:
+            self.tokens, self.counted_at = usage["completion_tokens"], time.monotonic()
+
+    def refused(self, body: bytes) -> None:
+        self.refusal = f"HTTP {self.status}: {body.decode(errors='replace')[:300]}"
+
+    def end(self, error: str | None) -> None:
+        self.ended = True
+        if not self.done.done():
+            self.done.set_result(self.refusal or error)
+
+
 async def send(
-    http: aiohttp.ClientSession,
+    http: Session,
     endpoint: str,
     model: str,
     sample: Sample,
@@ -107,47 +157,22 @@ async def send(
     if the client could only send it later. At `stop_at` (time.monotonic()) the answer is `cut`:
     its tokens so far, as of the last chunk that said them; an answer that has begun on an
     endpoint that says its tokens only at the end is read to the end."""
-    started, first, tokens, site = started or time.monotonic(), None, 0, ""
-    counted_at: float | None = None  # when a chunk last said how many tokens had come
-    events, hop_ms, route_ms = 0, None, None
-
-    def result(error: str | None = None, cut: bool = False, finished: float | None = None) -> Result:
-        end = finished or time.monotonic()
-        return Result(sample.index, started, first, end, tokens, site, error, cut, events, hop_ms, route_ms)
-
+    reading = _Reading(sample, started or time.monotonic(), on_first_token)
+    connection: Connection | None = None
     try:
         async with asyncio.timeout_at(stop_at) as window:
-            async with http.post(
-                endpoint + "/completions",
-                data=body(model, sample, stream_interval),
-                headers={"Content-Type": "application/json"},
-            ) as resp:
-                site = resp.headers.get(SITE_HEADER, "")
-                timing = resp.headers.get("Server-Timing", "")
-                hop, route = HOP.search(timing), ROUTE.search(timing)
-                hop_ms, route_ms = (float(hop.group(1)) if hop else None), (float(route.group(1)) if route else None)
-                if resp.status != 200:
-                    return result(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-                async for line in resp.content:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    event = orjson.loads(line[len(b"data: ") :])
-                    if "error" in event:
-                        return result(f"stream error: {event['error']}")
-                    has_text = any(c.get("text") for c in event.get("choices", ()))
-                    events += has_text
-                    if first is None and has_text:
-                        first = time.monotonic()
-                        if on_first_token is not None:
-                            on_first_token()
-                        if not event.get("usage"):
-                            window.reschedule(None)  # its tokens come only at the end: read to it
-                    if event.get("usage"):
-                        tokens, counted_at = event["usage"]["completion_tokens"], time.monotonic()
-    except (aiohttp.ClientError, TimeoutError) as exc:
+            reading.window = window
+            connection = await http.post(endpoint + "/completions", body(model, sample, stream_interval), reading)
+            error = await reading.done
+    except (OSError, TimeoutError) as exc:
         if isinstance(exc, TimeoutError) and window.expired():
-            return result(cut=True, finished=counted_at)
-        return result(f"{type(exc).__name__}: {exc}")
-    if tokens != sample.output_tokens:
-        return result(f"usage says {tokens} tokens, asked for {sample.output_tokens}")
-    return result()
+            return reading.result(cut=True, finished=reading.counted_at)
+        return reading.result(f"{type(exc).__name__}: {exc}")
+    finally:
+        if connection is not None and not reading.ended:
+            connection.abandon()  # cut, failed or cancelled mid-answer: nobody reads the rest
+    if error is not None:
+        return reading.result(error)
+    if reading.tokens != sample.output_tokens:
+        return reading.result(f"usage says {reading.tokens} tokens, asked for {sample.output_tokens}")
+    return reading.result()
