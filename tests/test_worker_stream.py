@@ -185,6 +185,22 @@ async def test_a_broken_or_hostile_worker_fails_the_request_clearly(reply: bytes
         server.close()
 
 
+async def test_sglangs_abort_of_a_queued_request_ends_it_as_aborted() -> None:
+    """Some SGLang versions abort a request still in its queue with an event of no ids (`{"text":
+    "", "meta_info": {..., "finish_reason": {"type": "abort", ...}}}`): the call ends normally with
+    that finish and nothing generated, not as a malformed event (which would mark a well worker
+    unhealthy). An event of no ids that is not an abort is still malformed (above: `no-ids`)."""
+    abort = {"type": "abort", "message": "Abort before prefill"}
+    meta = {"id": "r", "finish_reason": abort, "prompt_tokens": 0, "completion_tokens": 0}
+    for body in ({"text": "", "meta_info": meta}, {"meta_info": meta}):
+        server, url = await _serve_bytes(HEAD + _chunk(b"data: " + orjson.dumps(body) + b"\n\n" + DONE) + b"0\r\n\r\n")
+        try:
+            events = await _generate(url, incremental=False)
+        finally:
+            server.close()
+        assert (events.text, events.ids, events.counts, events.finish) == ([""], [], [0], abort)
+
+
 async def test_an_endless_event_is_cut_at_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """An event that never ends is a broken worker once it passes MAX_EVENT_BYTES: the buffer is
     bounded, the call fails."""

@@ -209,7 +209,12 @@ class WorkerCall(asyncio.Protocol):
             raise WorkerFailed(message)
         meta, text, ids = body.meta_info, body.text, body.output_ids
         if meta is None or text is None or ids is None:
-            raise ValueError("an event without its text, output_ids or meta_info, and not an error")
+            if meta is None or not _aborted(meta.finish_reason):
+                raise ValueError("an event without its text, output_ids or meta_info, and not an error")
+            # SGLang's abort of a request still in its queue (TokenizerManager._handle_abort_req)
+            # has no ids in some versions (newer ones send empty ones). The worker is well: the
+            # request ends as aborted and the gateway sends it on; not a broken worker's event.
+            text, ids = text or "", ids or []
         if not self._incremental:
             text, ids = text[self._sent_text :], ids[self._sent_ids :]
             self._sent_text += len(text)
@@ -228,6 +233,10 @@ class WorkerCall(asyncio.Protocol):
         pairs = [tuple((int(t[1]), float(t[0])) for t in position or ()) for position in top]
         assert self._on_logprobs is not None
         self._on_logprobs([float(t[0]) for t in chosen], pairs)
+
+
+def _aborted(finish: Any) -> bool:
+    return isinstance(finish, dict) and finish.get("type") == "abort"
 
 
 async def start(
