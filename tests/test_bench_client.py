@@ -142,3 +142,85 @@ async def test_an_endpoint_that_does_not_listen_is_a_result(unused_tcp_port: int
     async with client.session(url) as http:
         result = await _send(url, http, "ok")
     assert result.error is not None and "ConnectionRefusedError" in result.error and result.output_tokens == 0
+
+
+async def _raw_endpoint(reply: bytes) -> tuple[asyncio.Server, str]:
+    """A peer that answers each request with `reply` as it is, then closes the connection."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(reply)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+
+
+@pytest.mark.parametrize(
+    ("status", "last_line_ended", "error"),
+    [("200 OK", True, None), ("200 OK", False, None), ("503 Service Unavailable", True, "HTTP 503: overloaded")],
+)
+async def test_a_body_that_runs_until_the_close_is_read_whole(status: str, last_line_ended: bool, error) -> None:
+    """An answer with neither chunks nor a length (HTTP/1.0's framing: its end is the close) is
+    whole when the server closes, its last line read even without a line end; a refusal framed
+    so still says its status."""
+    body = b"".join(_chunk("x", k) for k in range(1, TOKENS + 1)) if status.startswith("200") else b"overloaded"
+    if not last_line_ended:
+        body = body.rstrip(b"\n")
+    server, url = await _raw_endpoint(f"HTTP/1.0 {status}\r\nContent-Type: text/event-stream\r\n\r\n".encode() + body)
+    try:
+        async with client.session(url) as http:
+            result = await _send(url, http, "ok")
+    finally:
+        server.close()
+    assert result.error == error
+    if error is None:
+        assert (result.output_tokens, result.events) == (TOKENS, TOKENS)
+
+
+async def test_stale_connections_are_closed_not_left_beside_a_newer_one(
+    endpoint: tuple[str, Endpoint], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Idle connections older than IDLE_REUSE_S are closed when the next request looks for one,
+    oldest first, even while a newer one is reused."""
+    url, served = endpoint
+    monkeypatch.setattr(connections, "IDLE_REUSE_S", 0.5)
+    async with client.session(url) as http:
+        burst = await asyncio.gather(*(_send(url, http, "ok") for _ in range(5)))
+        await asyncio.sleep(0.3)
+        reused = await _send(url, http, "ok")  # the newest: the others are 0.3 s idle, not stale yet
+        await asyncio.sleep(0.35)
+        again = await _send(url, http, "ok")  # the same one again; the other four are now stale
+        await asyncio.sleep(0.2)  # their connection_lost
+        assert all(r.ok for r in (*burst, reused, again)) and len(http._open) == 1
+    used = served.connections
+    assert len({id(c) for c in used[:5]}) == 5 and used[5] in used[:5] and used[6] is used[5]
+
+
+async def test_bytes_after_an_answer_close_its_connection() -> None:
+    """Bytes after an answer's end that nobody asked for: the answer stands, and the connection
+    is closed rather than reused for the next request."""
+    answer = b"".join(_chunk("x", k) for k in range(1, TOKENS + 1)) + b"data: [DONE]\n\n"
+    reply = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b" % (len(answer), answer) + b"GARBAGE"
+    seen = 0
+
+    async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal seen
+        seen += 1
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                writer.write(reply)
+        except asyncio.IncompleteReadError:
+            writer.close()
+
+    server = await asyncio.start_server(answer_each, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    try:
+        async with client.session(url) as http:
+            results = [await _send(url, http, "ok") for _ in range(2)]
+    finally:
+        server.close()
+    assert [(r.error, r.output_tokens) for r in results] == [(None, TOKENS)] * 2 and seen == 2

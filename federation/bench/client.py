@@ -127,7 +127,7 @@ class _Reading:
             self.first = time.monotonic()
             if self._on_first_token is not None:
                 self._on_first_token()
-            if not usage and self.window is not None:
+            if not usage and self.window is not None and not self.window.expired():
                 self.window.reschedule(None)  # its tokens come only at the end: read to it
         if usage:
             self.tokens, self.counted_at = usage["completion_tokens"], time.monotonic()

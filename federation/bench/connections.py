@@ -61,7 +61,9 @@ class Session:
         self.http = aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
         )
-        self._idle: defaultdict[tuple[str, int], list[Connection]] = defaultdict(list)
+        # Per endpoint, its idle connections, oldest first (a dict: removing one costs nothing).
+        self._idle: defaultdict[tuple[str, int], dict[Connection, None]] = defaultdict(dict)
+        self._open: set[Connection] = set()  # every connection not closed yet
 
     async def __aenter__(self) -> Session:
         return self
@@ -70,9 +72,8 @@ class Session:
         await self.close()
 
     async def close(self) -> None:
-        for idle in self._idle.values():
-            for connection in idle:
-                connection.abandon()
+        for connection in list(self._open):
+            connection.abandon()
         self._idle.clear()
         await self.http.close()
 
@@ -84,7 +85,7 @@ class Session:
         connection = self._take_idle(key)
         if connection is None:
             loop = asyncio.get_running_loop()
-            connection = Connection(self._idle[key])
+            connection = Connection(self._idle[key], self._open)
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 await loop.create_connection(lambda: connection, *key, local_addr=self._local_addr)
         path = parts.path + (f"?{parts.query}" if parts.query else "")
@@ -96,9 +97,12 @@ class Session:
         return connection
 
     def _take_idle(self, key: tuple[str, int]) -> Connection | None:
+        """The newest idle connection that may still be used; the stale ones are closed."""
         idle, now = self._idle[key], time.monotonic()
+        while idle and not (oldest := next(iter(idle))).reusable(now):
+            oldest.abandon()
         while idle:
-            connection = idle.pop()
+            connection = idle.popitem()[0]
             if connection.reusable(now):
                 return connection
             connection.abandon()
@@ -107,34 +111,39 @@ class Session:
 
 class Connection(asyncio.Protocol):
     """One kept-alive connection: a request at a time, its answer parsed as it arrives; back in
-    its session's idle list once an answer ends and the server keeps the connection open."""
+    its session's idle ones once an answer ends whole and the server keeps the connection open."""
 
-    def __init__(self, idle: list[Connection]) -> None:
+    def __init__(self, idle: dict[Connection, None], open_connections: set[Connection]) -> None:
         self._idle = idle
+        self._open = open_connections
         self._transport: asyncio.Transport | None = None
         self._reader: Reader | None = None
         self._parser: httptools.HttpResponseParser | None = None
         self._headers: dict[str, str] = {}
         self._status = 0
-        self._rest = b""
+        self._framed = True  # the body's end is in its framing (chunks or a length), not the close
+        self._partial: list[bytes] = []  # a line not ended yet, in the pieces it came in
+        self._partial_bytes = 0
         self._refusal = b""
         self._idle_since = 0.0
 
     def reusable(self, now: float) -> bool:
-        return (
-            self._transport is not None and not self._transport.is_closing() and now - self._idle_since < IDLE_REUSE_S
-        )
+        transport = self._transport
+        return transport is not None and not transport.is_closing() and now - self._idle_since < IDLE_REUSE_S
 
     def request(self, data: bytes, reader: Reader) -> None:
         assert self._transport is not None and self._reader is None
         self._reader, self._parser = reader, httptools.HttpResponseParser(self)
-        self._headers, self._status, self._rest, self._refusal = {}, 0, b"", b""
+        self._headers, self._status, self._framed, self._refusal = {}, 0, True, b""
+        self._partial.clear()
+        self._partial_bytes = 0
         self._transport.write(data)
 
     def abandon(self) -> None:
         """Close the connection whatever it is doing (an answer cut or given up on); its reader
         hears nothing more."""
         self._reader = None
+        self._idle.pop(self, None)
         if self._transport is not None:
             self._transport.close()
 
@@ -142,6 +151,7 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
+        self._open.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self._parser is None:  # bytes nobody asked for: the connection is not in a state to reuse
@@ -150,29 +160,37 @@ class Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:  # raised in one of the callbacks below
-            cause = exc.__context__
-            self._end(str(cause) if isinstance(cause, AnswerFailed) else f"{type(cause).__name__}: {cause}")
+            self._end(_why(exc.__context__))
         except httptools.HttpParserError as exc:
             self._end(f"malformed HTTP from the endpoint: {exc}")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self in self._idle:
-            self._idle.remove(self)
+        self._open.discard(self)
+        if exc is None and not self._framed and self._reader is not None:
+            try:
+                self.on_message_complete()  # a body that runs until the close has ended whole
+            except Exception as cause:  # its reader refused its last line
+                self._end(_why(cause))
+            return
         self._end(
             f"{type(exc).__name__}: {exc}" if exc else "the endpoint closed the connection before the answer's end"
         )
 
     def _end(self, error: str | None) -> None:
-        """The answer is over: its reader told; the connection kept for the next request only if it
-        ended whole and the server keeps it open."""
+        """The answer is over (or the connection is: `error`); its reader is told. The connection is
+        kept for the next request only if the answer ended whole and the server keeps it open."""
         reader, self._reader, parser, self._parser = self._reader, None, self._parser, None
+        if error is None and reader is not None and parser is not None and parser.should_keep_alive():
+            self._idle_since = time.monotonic()
+            self._idle[self] = None
+        else:
+            self._idle.pop(self, None)
+            if self._transport is not None:
+                self._transport.close()
         if reader is None:
             return
-        if error is None and parser is not None and parser.should_keep_alive():
-            self._idle_since = time.monotonic()
-            self._idle.append(self)
-        elif self._transport is not None:
-            self._transport.close()
+        if error is not None and self._status not in (0, 200):
+            reader.refused(self._refusal)  # a refusal cut short still says its status
         reader.end(error)
 
     # ---- httptools callbacks -----------------------------------------------------------------
@@ -183,7 +201,9 @@ class Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         assert self._parser is not None and self._reader is not None
         self._status = self._parser.get_status_code()
-        self._reader.head(self._status, self._headers)
+        headers = self._headers
+        self._framed = "content-length" in headers or "chunked" in headers.get("transfer-encoding", "").lower()
+        self._reader.head(self._status, headers)
 
     def on_body(self, body: bytes) -> None:
         reader = self._reader
@@ -193,16 +213,35 @@ class Connection(asyncio.Protocol):
             if len(self._refusal) < MAX_ERROR_BODY_BYTES:
                 self._refusal += body[: MAX_ERROR_BODY_BYTES - len(self._refusal)]
             return
-        lines = (self._rest + body if self._rest else body).split(b"\n")
-        self._rest = lines.pop()
-        if len(self._rest) > MAX_LINE_BYTES:
-            raise ValueError(f"the endpoint sent a line over {MAX_LINE_BYTES} bytes")
+        if b"\n" not in body:  # the middle of a line: kept in pieces, not joined at every read
+            self._keep_partial(body)
+            return
+        if self._partial:
+            body = b"".join((*self._partial, body))
+            self._partial.clear()
+            self._partial_bytes = 0
+        lines = body.split(b"\n")
+        rest = lines.pop()
         for line in lines:
             reader.line(line.removesuffix(b"\r"))
+        if rest:
+            self._keep_partial(rest)
+
+    def _keep_partial(self, piece: bytes) -> None:
+        self._partial.append(piece)
+        self._partial_bytes += len(piece)
+        if self._partial_bytes > MAX_LINE_BYTES:
+            raise ValueError(f"the endpoint sent a line over {MAX_LINE_BYTES} bytes")
 
     def on_message_complete(self) -> None:
-        if self._reader is not None and self._status != 200:
-            self._reader.refused(self._refusal)
-        if self._rest and self._reader is not None:
-            self._reader.line(self._rest.removesuffix(b"\r"))
+        reader = self._reader
+        if reader is not None and self._status != 200:
+            reader.refused(self._refusal)
+        elif reader is not None and self._partial:
+            reader.line(b"".join(self._partial).removesuffix(b"\r"))  # a last line with no line end
         self._end(None)
+
+
+def _why(cause: BaseException | None) -> str:
+    """What a reader's or a callback's exception says of the answer."""
+    return str(cause) if isinstance(cause, AnswerFailed) else f"{type(cause).__name__}: {cause}"

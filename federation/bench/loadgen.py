@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import mlperf_loadgen as lg
 import structlog
 import uvloop
@@ -84,7 +83,7 @@ class _Sut:
         self.first_error: str | None = None
         self.aborting = False
         self.abandoned = False  # a second Ctrl-C left LoadGen running: leave the loop to it
-        self._http: aiohttp.ClientSession | None = None
+        self._http: client.Session | None = None
         self._model = ""
 
     def start(self) -> None:
