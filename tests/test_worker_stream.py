@@ -147,6 +147,11 @@ def _event(text: Any = "a", output_ids: Any = (1,), completion_tokens: Any = 1, 
         (HEAD + _chunk(_event(output_ids=[2**32])), WorkerFailed, r"malformed event.*\$\.output_ids\[0\]"),
         (HEAD + _chunk(_event(completion_tokens=-1)), WorkerFailed, r"malformed event.*completion_tokens"),
         (HEAD + _chunk(_event(output_ids=None)), WorkerFailed, r"malformed event.*without its text, output_ids"),
+        (
+            HEAD + _chunk(b'data: {"text": "a", "output_ids": [1], "meta_info": {"finish_reason": null}}\n\n'),
+            WorkerFailed,
+            r"malformed event.*without its text, output_ids, meta_info or count",
+        ),
         (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n", WorkerFailed, "503"),
         (b"NOT HTTP AT ALL\r\n\r\n", WorkerFailed, "malformed HTTP"),
         (HEAD + _chunk(b'data: {"error": {"message": "boom", "code": 500}}\n\n'), WorkerFailed, "boom"),
@@ -163,6 +168,7 @@ def _event(text: Any = "a", output_ids: Any = (1,), completion_tokens: Any = 1, 
         "id-beyond-uint32",
         "count-negative",
         "no-ids",
+        "no-count",
         "503",
         "not-http",
         "error-event",
@@ -192,7 +198,8 @@ async def test_sglangs_abort_of_a_queued_request_ends_it_as_aborted() -> None:
     unhealthy). An event of no ids that is not an abort is still malformed (above: `no-ids`)."""
     abort = {"type": "abort", "message": "Abort before prefill"}
     meta = {"id": "r", "finish_reason": abort, "prompt_tokens": 0, "completion_tokens": 0}
-    for body in ({"text": "", "meta_info": meta}, {"meta_info": meta}):
+    bare = {"id": "r", "finish_reason": abort}  # no counts either
+    for body in ({"text": "", "meta_info": meta}, {"meta_info": bare}, {"text": "", "meta_info": bare}):
         server, url = await _serve_bytes(HEAD + _chunk(b"data: " + orjson.dumps(body) + b"\n\n" + DONE) + b"0\r\n\r\n")
         try:
             events = await _generate(url, incremental=False)

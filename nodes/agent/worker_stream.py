@@ -51,8 +51,8 @@ class _Meta(msgspec.Struct):
     """What the agent reads of an event's `meta_info` (SGLang sends a dozen more fields; msgspec
     skips them without building them)."""
 
-    completion_tokens: Uint32
     finish_reason: Any  # null while running, else SGLang's {"type": ...} (passed on as it is)
+    completion_tokens: Uint32 | None = None  # required, but for an abort (see WorkerCall._event)
     prompt_tokens: Uint32 = 0  # 0 when absent, as the agent has always read it
     output_token_logprobs: list[Logprob] | None = None
     output_top_logprobs: list[list[Logprob] | None] | None = None
@@ -208,13 +208,14 @@ class WorkerCall(asyncio.Protocol):
                 raise WorkerRejected(message)
             raise WorkerFailed(message)
         meta, text, ids = body.meta_info, body.text, body.output_ids
-        if meta is None or text is None or ids is None:
+        completion = meta.completion_tokens if meta is not None else None
+        if meta is None or text is None or ids is None or completion is None:
             if meta is None or not _aborted(meta.finish_reason):
-                raise ValueError("an event without its text, output_ids or meta_info, and not an error")
+                raise ValueError("an event without its text, output_ids, meta_info or count, and not an error")
             # SGLang's abort of a request still in its queue (TokenizerManager._handle_abort_req)
-            # has no ids in some versions (newer ones send empty ones). The worker is well: the
-            # request ends as aborted and the gateway sends it on; not a broken worker's event.
-            text, ids = text or "", ids or []
+            # has no ids, and in some versions no text or counts (newer ones send them empty). The
+            # worker is well: the request ends as aborted and the gateway sends it on.
+            text, ids, completion = text or "", ids or [], completion or 0
         if not self._incremental:
             text, ids = text[self._sent_text :], ids[self._sent_ids :]
             self._sent_text += len(text)
@@ -222,7 +223,7 @@ class WorkerCall(asyncio.Protocol):
         self.last_event_at = self._heard.last_event_at = time.monotonic()
         if self._on_logprobs is not None and meta.output_token_logprobs:
             self._logprobs(meta)
-        self._on_event(text, ids, meta.completion_tokens, meta.prompt_tokens, meta.finish_reason)
+        self._on_event(text, ids, completion, meta.prompt_tokens, meta.finish_reason)
 
     def _logprobs(self, meta: _Meta) -> None:
         """SGLang's [logprob, id, text] triples (cumulative unless the worker streams increments)."""
