@@ -191,21 +191,52 @@ async def test_a_broken_or_hostile_worker_fails_the_request_clearly(reply: bytes
         server.close()
 
 
+async def _events_of(reply: bytes, *, incremental: bool) -> Events:
+    server, url = await _serve_bytes(HEAD + _chunk(reply + DONE) + b"0\r\n\r\n")
+    try:
+        return await _generate(url, incremental=incremental)
+    finally:
+        server.close()
+
+
+ABORT = {"type": "abort", "message": "Abort in waiting queue"}
+
+
+def _sse(body: dict) -> bytes:
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
 async def test_sglangs_abort_of_a_queued_request_ends_it_as_aborted() -> None:
-    """Some SGLang versions abort a request still in its queue with an event of no ids (`{"text":
-    "", "meta_info": {..., "finish_reason": {"type": "abort", ...}}}`): the call ends normally with
-    that finish and nothing generated, not as a malformed event (which would mark a well worker
-    unhealthy). An event of no ids that is not an abort is still malformed (above: `no-ids`)."""
-    abort = {"type": "abort", "message": "Abort before prefill"}
-    meta = {"id": "r", "finish_reason": abort, "prompt_tokens": 0, "completion_tokens": 0}
-    bare = {"id": "r", "finish_reason": abort}  # no counts either
-    for body in ({"text": "", "meta_info": meta}, {"meta_info": bare}, {"text": "", "meta_info": bare}):
-        server, url = await _serve_bytes(HEAD + _chunk(b"data: " + orjson.dumps(body) + b"\n\n" + DONE) + b"0\r\n\r\n")
-        try:
-            events = await _generate(url, incremental=False)
-        finally:
-            server.close()
-        assert (events.text, events.ids, events.counts, events.finish) == ([""], [], [0], abort)
+    """SGLang ends a request aborted in its queue with an abort finish and, by version, empty ids,
+    no ids, or no counts either: the call ends normally with that finish and nothing generated,
+    not as a malformed event (which would mark a well worker unhealthy). An event of no ids that
+    is not an abort is still malformed (above: `no-ids`, `no-count`)."""
+    counted = {"id": "r", "finish_reason": ABORT, "prompt_tokens": 0, "completion_tokens": 0}
+    bare = {"id": "r", "finish_reason": ABORT}
+    for body in (
+        {"text": "", "output_ids": [], "meta_info": counted},
+        {"text": "", "meta_info": counted},
+        {"meta_info": bare},
+        {"text": "", "meta_info": bare},
+    ):
+        events = await _events_of(_sse(body), incremental=False)
+        assert (events.text, events.ids, events.counts, events.finish) == ([""], [], [0], ABORT), body
+
+
+@pytest.mark.parametrize("incremental", [True, False], ids=["incremental", "cumulative"])
+async def test_an_abort_after_tokens_relays_none_of_its_own(incremental: bool) -> None:
+    """SGLang 0.5.23 ends a request retracted to its queue and aborted there with its whole text
+    so far and its last id again, even when it streams increments (TokenizerManager.
+    _handle_abort_req): relayed as it is, the client would get its answer twice over. An abort
+    relays only its finish, counted as what was relayed; the gateway resumes from there."""
+    meta = {"id": "r", "finish_reason": None, "prompt_tokens": 3}
+    first = {"text": "Hel", "output_ids": [1], "meta_info": {**meta, "completion_tokens": 1}}
+    second = {"text": "lo" if incremental else "Hello", "output_ids": [2] if incremental else [1, 2]}
+    second["meta_info"] = {**meta, "completion_tokens": 2}
+    abort = {"text": "Hello", "output_ids": [2] if incremental else [1, 2]}
+    abort["meta_info"] = {"id": "r", "finish_reason": ABORT, "completion_tokens": 2}
+    events = await _events_of(_sse(first) + _sse(second) + _sse(abort), incremental=incremental)
+    assert (events.text, events.ids, events.counts, events.finish) == (["Hel", "lo", ""], [1, 2], [1, 2, 2], ABORT)
 
 
 async def test_an_endless_event_is_cut_at_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -105,6 +105,7 @@ class WorkerCall(asyncio.Protocol):
         self._rest = b""  # an event not complete yet
         self._error_body = b""
         self._sent_text = 0  # cumulative mode: what earlier events already held
+        self._relayed = 0  # the completion tokens passed on so far
         self._sent_ids = 0
         self.answered = False  # response bytes arrived: the worker has the request
         self.started_at = time.monotonic()
@@ -208,22 +209,28 @@ class WorkerCall(asyncio.Protocol):
                 raise WorkerRejected(message)
             raise WorkerFailed(message)
         meta, text, ids = body.meta_info, body.text, body.output_ids
-        completion = meta.completion_tokens if meta is not None else None
-        if meta is None or text is None or ids is None or completion is None:
-            if meta is None or not _aborted(meta.finish_reason):
-                raise ValueError("an event without its text, output_ids, meta_info or count, and not an error")
-            # SGLang's abort of a request still in its queue (TokenizerManager._handle_abort_req)
-            # has no ids, and in some versions no text or counts (newer ones send them empty). The
-            # worker is well: the request ends as aborted and the gateway sends it on.
-            text, ids, completion = text or "", ids or [], completion or 0
-        if not self._incremental:
-            text, ids = text[self._sent_text :], ids[self._sent_ids :]
-            self._sent_text += len(text)
-            self._sent_ids += len(ids)
+        finish = meta.finish_reason if meta is not None else None
+        if finish is not None and _aborted(finish):
+            # An abort relays no tokens, only its finish: SGLang 0.5.23 ends a request aborted in
+            # its queue (one retracted there mid-answer too) with its whole text so far and its last
+            # id again, even when it streams increments, and in some versions with no ids or counts
+            # (TokenizerManager._handle_abort_req). The worker is well; the gateway resumes the
+            # answer elsewhere from what its client has, so a token made after the last event and
+            # not relayed is made again there, never sent twice.
+            text, ids, completion = "", [], self._relayed
+        elif meta is None or text is None or ids is None or meta.completion_tokens is None:
+            raise ValueError("an event without its text, output_ids, meta_info or count, and not an error")
+        else:
+            completion = meta.completion_tokens
+            if not self._incremental:
+                text, ids = text[self._sent_text :], ids[self._sent_ids :]
+                self._sent_text += len(text)
+                self._sent_ids += len(ids)
+            if self._on_logprobs is not None and meta.output_token_logprobs:
+                self._logprobs(meta)
+        self._relayed = completion
         self.last_event_at = self._heard.last_event_at = time.monotonic()
-        if self._on_logprobs is not None and meta.output_token_logprobs:
-            self._logprobs(meta)
-        self._on_event(text, ids, completion, meta.prompt_tokens, meta.finish_reason)
+        self._on_event(text, ids, completion, meta.prompt_tokens, finish)
 
     def _logprobs(self, meta: _Meta) -> None:
         """SGLang's [logprob, id, text] triples (cumulative unless the worker streams increments)."""
