@@ -223,6 +223,21 @@ async def test_sglangs_abort_of_a_queued_request_ends_it_as_aborted() -> None:
         assert (events.text, events.ids, events.counts, events.finish) == ([""], [], [0], ABORT), body
 
 
+async def test_an_abort_with_a_client_error_status_is_a_refusal() -> None:
+    """SGLang 0.5.23 streams its own refusal of a request (a grammar it cannot compile, an input
+    too long once tokenized) as an abort finish with a 4xx `status_code`: that is the client's
+    fault (WorkerRejected: no other worker or site would do better), not a site's abort. With a
+    5xx status it is the worker's trouble: an abort, which the gateway resumes elsewhere."""
+    refusal = {"type": "abort", "message": "Invalid grammar request", "status_code": 400, "err_type": "BadRequestError"}
+    with pytest.raises(WorkerRejected, match="Invalid grammar request"):
+        await _events_of(
+            _sse({"text": "", "output_ids": [], "meta_info": {"finish_reason": refusal}}), incremental=True
+        )
+    overloaded = {"type": "abort", "message": "The request queue is full.", "status_code": 503}
+    events = await _events_of(_sse({"meta_info": {"finish_reason": overloaded}}), incremental=True)
+    assert (events.ids, events.counts, events.finish) == ([], [0], overloaded)
+
+
 @pytest.mark.parametrize("incremental", [True, False], ids=["incremental", "cumulative"])
 async def test_an_abort_after_tokens_relays_none_of_its_own(incremental: bool) -> None:
     """SGLang 0.5.23 ends a request retracted to its queue and aborted there with its whole text

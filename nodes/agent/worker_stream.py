@@ -217,6 +217,9 @@ class WorkerCall(asyncio.Protocol):
             # (TokenizerManager._handle_abort_req). The worker is well; the gateway resumes the
             # answer elsewhere from what its client has, so a token made after the last event and
             # not relayed is made again there, never sent twice.
+            status = finish.get("status_code")
+            if isinstance(status, int) and 400 <= status < 500:  # SGLang's refusal of the request itself
+                raise WorkerRejected(str(finish.get("message") or f"refused the request ({status})"))
             text, ids, completion = "", [], self._relayed
         elif meta is None or text is None or ids is None or meta.completion_tokens is None:
             raise ValueError("an event without its text, output_ids, meta_info or count, and not an error")
