@@ -112,6 +112,7 @@ def test_a_site_that_joins_under_load_takes_its_share_and_fails_nothing(tmp_path
         (["site-crash", "--inject", "true"], "--inject needs --endpoint"),
         (["add-site", "--site", "kr-mi300x"], "already in the federation"),
         (["worker-loss", "--config", "docs/configs/small-federation.yaml", "--site", "us-mi355x"], "has 1"),
+        (["add-site", "--config", "docs/configs/small-federation.yaml"], "no `links` entry between eu-central-1"),
     ],
 )
 def test_a_drill_that_cannot_be_run_says_why(args: list[str], said: str) -> None:

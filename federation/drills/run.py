@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 
 from core import mtls, pki, runtime
-from core.config import Config
+from core.config import Config, ConfigError
 from core.pki import PkiError
 from federation import admin
 from federation.bench import scenarios
@@ -46,6 +46,7 @@ from federation.drills import timeline
 from federation.drills.dashboard_marks import DashboardMarks
 from federation.drills.faults import (
     BROWNOUT_FACTOR,
+    JOINING_REGION,
     SCENARIOS,
     Fault,
     SiteBrownout,
@@ -243,6 +244,8 @@ def _drill_embedded(args: argparse.Namespace, site: str) -> dict[str, Any]:
     _check_site(args, site, {s.name for s in config.sites})
     if args.scenario == "worker-loss":
         _check_workers(site, next(s.gpus for s in config.sites if s.name == site))
+    if args.scenario == "add-site":
+        _check_joining_links(config)
     log_path = (args.json.parent if args.json else Path(".")) / "drill-logs" / f"{args.scenario}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.unlink(missing_ok=True)
@@ -305,6 +308,16 @@ def _check_site(args: argparse.Namespace, site: str, sites: set[str]) -> None:
         raise DrillRefused(f"a site named {site!r} is already in the federation; name the new one with --site")
     if args.scenario != "add-site" and site not in sites:
         raise DrillRefused(f"no site named {site!r} (sites: {', '.join(sorted(sites))}); name one with --site")
+
+
+def _check_joining_links(config: Config) -> None:
+    """add-site's new site needs its round trips in the config: refused now, not minutes into the
+    drill, when it would join."""
+    try:
+        config.rtt_between(JOINING_REGION, config.gateway_region)
+        config.rtt_between(JOINING_REGION, config.scheduler_region)
+    except ConfigError as exc:
+        raise DrillRefused(f"add-site's new site is in {JOINING_REGION}: {exc}") from None
 
 
 def _check_workers(site: str, workers: int) -> None:
