@@ -105,8 +105,8 @@ class WorkerCall(asyncio.Protocol):
         self._rest = b""  # an event not complete yet
         self._error_body = b""
         self._sent_text = 0  # cumulative mode: what earlier events already held
-        self._relayed = 0  # the completion tokens passed on so far
         self._sent_ids = 0
+        self._relayed = 0  # the completion tokens passed on so far
         self.answered = False  # response bytes arrived: the worker has the request
         self.started_at = time.monotonic()
         self.last_event_at: float | None = None  # None until the first event
@@ -210,7 +210,7 @@ class WorkerCall(asyncio.Protocol):
             raise WorkerFailed(message)
         meta, text, ids = body.meta_info, body.text, body.output_ids
         finish = meta.finish_reason if meta is not None else None
-        if finish is not None and _aborted(finish):
+        if isinstance(finish, dict) and finish.get("type") == "abort":
             # An abort relays no tokens, only its finish: SGLang 0.5.23 ends a request aborted in
             # its queue (one retracted there mid-answer too) with its whole text so far and its last
             # id again, even when it streams increments, and in some versions with no ids or counts
@@ -244,10 +244,6 @@ class WorkerCall(asyncio.Protocol):
         pairs = [tuple((int(t[1]), float(t[0])) for t in position or ()) for position in top]
         assert self._on_logprobs is not None
         self._on_logprobs([float(t[0]) for t in chosen], pairs)
-
-
-def _aborted(finish: Any) -> bool:
-    return isinstance(finish, dict) and finish.get("type") == "abort"
 
 
 async def start(
