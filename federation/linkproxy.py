@@ -34,6 +34,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -51,6 +52,9 @@ READ_SIZE_BYTES = 64 * 1024  # large reads keep CPU per MB low; several MB/s cos
 MAX_IN_FLIGHT_BYTES = 4 * 1024 * 1024
 BLACKHOLE_SIGNAL = signal.SIGRTMIN  # drills send it to drop a link's packets (SIGUSR1 resets them)
 CONNECT_TIMEOUT_S = 10.0  # a target that has not accepted in 10 s is down; the client gets a reset
+# uvloop's timers count whole milliseconds and may fire up to one early; a delay line that woke
+# early sleeps at least this long again, so a chunk is never early and at most ~1 ms late.
+TIMER_RESOLUTION_S = 0.001
 CLOSE_TIMEOUT_S = 5.0  # a peer that won't take the last bytes in 5 s gets a reset instead
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST, not FIN
 
@@ -132,7 +136,6 @@ class _DelayLine:
         self._room.set()
 
     async def receive(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._room.wait()  # backpressure: stop reading while the far side lags
             data = await self.reader.read(READ_SIZE_BYTES)
@@ -140,7 +143,7 @@ class _DelayLine:
                 if not data:
                     return  # a blackhole drops the FIN too: the far side never hears of it
                 continue
-            self._queue.put_nowait((loop.time() + self.delay_s, data))
+            self._queue.put_nowait((time.monotonic() + self.delay_s, data))
             if not data:  # EOF travels down the line like any chunk
                 return
             self._queued_bytes += len(data)
@@ -148,12 +151,12 @@ class _DelayLine:
                 self._room.clear()
 
     async def deliver(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             due, data = await self._queue.get()
-            wait_s = due - loop.time()
-            if wait_s > 0:
-                await asyncio.sleep(wait_s)
+            # A deadline, not a condition another task sets (no Event to wait on); the timer may
+            # fire early, so the clock is read again: a chunk is never delivered early.
+            while (wait_s := due - time.monotonic()) > 0:  # noqa: ASYNC110
+                await asyncio.sleep(max(wait_s, TIMER_RESOLUTION_S))
             if not data:
                 if self.writer.can_write_eof() and not self.writer.transport.is_closing():
                     self.writer.write_eof()  # half-close: the peer may still answer
