@@ -5,6 +5,7 @@ can fail, and that it keeps connections alive only when an answer ended whole.""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -12,7 +13,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from federation.bench import client, connections
+from federation.bench import client, connections, scenarios
 from federation.bench.workload import Sample
 
 TOKENS = 5
@@ -32,10 +33,17 @@ class Endpoint:
     def __init__(self) -> None:
         self.connections: list[object] = []
         self.disconnected = asyncio.Event()
+        self.refusals_left = 3  # "flaky": the first requests are refused, the rest answered
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.connections.append(request.transport)
         mode = (await request.json())["prompt"]
+        if mode == "flaky" and self.refusals_left > 0:
+            self.refusals_left -= 1
+            mode = "refused"
         if mode == "refused":
             return web.json_response({"error": {"message": "slow down", "code": 429}}, status=429)
         response = web.StreamResponse(
@@ -69,6 +77,7 @@ async def endpoint() -> AsyncIterator[tuple[str, Endpoint]]:
     served = Endpoint()
     app = web.Application()
     app.router.add_post("/v1/completions", served.completions)
+    app.router.add_get("/v1/models", served.models)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -224,3 +233,32 @@ async def test_bytes_after_an_answer_close_its_connection() -> None:
     finally:
         server.close()
     assert [(r.error, r.output_tokens) for r in results] == [(None, TOKENS)] * 2 and seen == 2
+
+
+def _sustain(url: str, prompt: str, window_s: float) -> list[client.Result]:
+    """Two lanes of a sustained run (one client process, this one), as drills and benches run them."""
+    sustain = scenarios.Sustain(warmup_s=0.0, window_s=window_s)
+    results, _ = scenarios.run_sustained(url, [Sample(0, prompt, 1, TOKENS)], 2, sustain, 1.0, "test")
+    return results
+
+
+async def test_a_lane_backs_off_an_endpoint_that_refuses_instead_of_spinning(endpoint: tuple[str, Endpoint]) -> None:
+    """Every request refused at once: each lane waits 0.1 s after a failure, doubling, instead of
+    sending again at once (before: ~1,000 refused requests a second per lane, each counted)."""
+    url, _ = endpoint
+    started = time.monotonic()
+    results = await asyncio.to_thread(_sustain, url, "refused", 1.5)
+    took = time.monotonic() - started
+    assert results and all((r.error or "").startswith("HTTP 429") for r in results)
+    # per lane: sent at 0, 0.1, 0.3, 0.7, 1.5, 3.1 s after it started, until the run stops
+    assert 2 <= len(results) <= 2 * math.ceil(math.log2(took / scenarios.LANE_BACKOFF_S + 1)), (len(results), took)
+
+
+async def test_a_lane_that_recovers_sends_at_full_pace_again(endpoint: tuple[str, Endpoint]) -> None:
+    """The back-off ends with the first answer: three refusals, then answers as fast as they come."""
+    url, _ = endpoint
+    results = await asyncio.to_thread(_sustain, url, "flaky", 2.0)
+    failed = [r for r in results if not r.ok]
+    assert len(failed) == 3 and all((r.error or "").startswith("HTTP 429") for r in failed)
+    # ~5,000 answered here; a back-off never reset leaves at most 2 lanes x 3 s / 0.1 s = 60
+    assert len(results) - len(failed) > 200

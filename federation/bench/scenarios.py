@@ -46,6 +46,12 @@ START_DELAY_S = 3.0  # lets every client process start before the first arrival 
 # A run whose open requests fit in one client process runs in this one and starts no other: it
 # waits only for its session and one /v1/models before the first arrival.
 IN_PROCESS_START_DELAY_S = 1.0
+# A sustained run's lane whose request failed waits this long before its next, doubling while
+# its requests keep failing, up to the max: a user's client backs off an endpoint that refuses
+# or is gone, rather than send thousands of requests a second that fail at once (which would
+# also be counted as the drill's failures, and take the cores the federation needs).
+LANE_BACKOFF_S = 0.1
+LANE_BACKOFF_MAX_S = 2.0
 # MLPerf gpt-oss-120b Server limits, GPU time.
 TTFT_LIMIT_MS = 3000.0
 TPOT_LIMIT_MS = 80.0
@@ -201,6 +207,7 @@ async def _sustain(c: _Client) -> list[Result]:
 
             async def lane(k: int) -> None:
                 await asyncio.sleep(c.ramp_s * k / c.lanes)
+                failed_in_a_row = 0
                 while time.monotonic() < c.stop_at:
                     sample = next(feed)
                     result = await send(
@@ -210,6 +217,10 @@ async def _sustain(c: _Client) -> list[Result]:
                     bar.update()
                     if result.cut:  # the window is over, whatever this clock says: the cut's timer runs
                         break  # on the loop's (uvloop's, in ms), which can be a hair ahead of it
+                    failed_in_a_row = 0 if result.ok else failed_in_a_row + 1
+                    if failed_in_a_row:
+                        backoff_s = min(LANE_BACKOFF_MAX_S, LANE_BACKOFF_S * 2 ** (failed_in_a_row - 1))
+                        await asyncio.sleep(min(backoff_s, c.stop_at - time.monotonic()))
 
             await asyncio.gather(*(lane(k) for k in range(c.lanes)))
     return results

@@ -2,7 +2,7 @@
 
 Starts the embedded default (slowed as `fedctl bench` slows it, every worker's port pinned so
 faults can reach them), keeps it loaded in a closed loop (every finished request replaced at
-once, as a busy fleet is), injects the scenario's fault after a warm-up, and measures what the
+once, as a busy fleet is; a failed one after a back-off, as a user's client backs off), injects the scenario's fault after a warm-up, and measures what the
 clients saw: requests failed and lost, the gateway's retries and resumed streams, how soon
 the fault was detected and throughput recovered, and throughput before, during and after.
 With `--endpoint` it drills a federation already running instead, broken by the operator's
