@@ -7,6 +7,7 @@ from core.forks import keep_grpc_out_of_forks
 
 keep_grpc_out_of_forks()  # before anything imports grpc: the tests start processes while they use it
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -61,6 +62,27 @@ def fresh_worker() -> Iterator[Emulator]:
     emu = launch(["--profile", "mi300x", "--workers", "1", "--speed", FAST, "--enable-faults"])
     yield emu
     emu.stop()
+
+
+# A worker whose KV pool (SGLang's --max-total-tokens) four answers of RETRACTED_ANSWER_TOKENS
+# outgrow: three are admitted, and as they grow one is retracted back to the queue, where it
+# waits (~3 s in) until another ends.
+RETRACTING_WORKER = ["--profile", "mi300x", "--workers", "1", "--speed", "5", "--max-total-tokens", "2000"]
+RETRACTED_ANSWER_TOKENS = 800
+
+
+async def abort_all_once_one_is_retracted(http: aiohttp.ClientSession, url: str) -> None:
+    """Wait until the worker has retracted a request back to its waiting queue, then abort every
+    request it holds (SGLang's /abort_request with abort_all)."""
+    async with asyncio.timeout(30):
+        while True:
+            async with http.get(url + "/_emulator/state") as resp:
+                engine = (await resp.json())["engine"]
+            if engine["retractions"] and engine["waiting"]:
+                break
+            await asyncio.sleep(0.02)
+    async with http.post(url + "/abort_request", json={"abort_all": True}) as resp:
+        assert resp.status == 200
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ import pytest
 
 from core import tokens
 from nodes.emulator.launch import EmulatorProcess as Emulator
+from nodes.emulator.launch import launch
+from tests.conftest import RETRACTED_ANSWER_TOKENS, RETRACTING_WORKER, abort_all_once_one_is_retracted
 
 
 async def _events(resp: aiohttp.ClientResponse) -> list[dict]:
@@ -152,3 +154,38 @@ async def test_client_leaving_a_whole_answer_aborts_it(fresh_worker: Emulator, h
             break
         await asyncio.sleep(0.1)
     assert engine["running"] == engine["waiting"] == 0
+
+
+@pytest.mark.parametrize("incremental", [True, False], ids=["incremental", "cumulative"])
+async def test_a_request_retracted_then_aborted_in_the_queue_ends_as_sglang_ends_it(
+    incremental: bool, http: aiohttp.ClientSession
+) -> None:
+    """SGLang 0.5.23 ends a request aborted in its waiting queue, one retracted back there
+    mid-answer too, with its whole text so far and every id, or streamed in increments its last
+    id again, and no prompt_tokens (TokenizerManager._handle_abort_req); a running request's
+    abort is an ordinary event of its stream."""
+    emu = launch([*RETRACTING_WORKER, *(["--incremental-streaming-output"] if incremental else [])])
+    try:
+        url = emu.urls[0]
+
+        async def answer(k: int) -> list[dict]:
+            params = {"max_new_tokens": RETRACTED_ANSWER_TOKENS, "ignore_eos": True}
+            body = {"input_ids": list(range(100 + k, 120 + k)), "stream": True, "sampling_params": params}
+            async with http.post(url + "/generate", json=body) as resp:
+                return await _events(resp)
+
+        answers = [asyncio.create_task(answer(k)) for k in range(4)]
+        await abort_all_once_one_is_retracted(http, url)
+        ends = await asyncio.gather(*answers)
+    finally:
+        emu.stop()
+    in_queue = [e for e in ends if e[-1]["meta_info"]["finish_reason"]["message"] == "Abort in waiting queue"]
+    retracted = [e for e in in_queue if e[-1]["meta_info"]["completion_tokens"] > 0]
+    assert retracted, [e[-1]["meta_info"] for e in ends]
+    for *before, last in retracted:
+        meta, whole = last["meta_info"], tokens.encode(last["text"])
+        assert "prompt_tokens" not in meta and len(whole) == meta["completion_tokens"]
+        assert last["output_ids"] == (whole[-1:] if incremental else whole)
+        assert last["text"].startswith("".join(e["text"] for e in before) if incremental else before[-1]["text"])
+    running = [e for e in ends if e[-1]["meta_info"]["finish_reason"]["message"] == "Aborted"]
+    assert running and all("prompt_tokens" in e[-1]["meta_info"] for e in running)

@@ -8,16 +8,18 @@ import asyncio
 from collections.abc import Iterator
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 
-from core import wire
+from core import tokens, wire
 from nodes.agent import worker_stream
 from nodes.agent.pool import Worker
 from nodes.agent.relay import RelayCall, Relayed
 from nodes.agent.sglang import WorkerFailed, WorkerRejected, WorkerUnreachable
 from nodes.emulator.launch import EmulatorProcess as Emulator
 from nodes.emulator.launch import launch
+from tests.conftest import RETRACTED_ANSWER_TOKENS, RETRACTING_WORKER, abort_all_once_one_is_retracted
 
 PAYLOAD = {"input_ids": list(range(1000, 1016)), "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}}
 
@@ -252,6 +254,40 @@ async def test_an_abort_after_tokens_relays_none_of_its_own(incremental: bool) -
     abort["meta_info"] = {"id": "r", "finish_reason": ABORT, "completion_tokens": 2}
     events = await _events_of(_sse(first) + _sse(second) + _sse(abort), incremental=incremental)
     assert (events.text, events.ids, events.counts, events.finish) == (["Hel", "lo", ""], [1, 2], [1, 2, 2], ABORT)
+
+
+@pytest.mark.parametrize("incremental", [True, False], ids=["incremental", "cumulative"])
+async def test_an_emulated_worker_that_retracts_then_aborts_is_relayed_once(incremental: bool) -> None:
+    """The same, from a worker's real stream: the emulator retracts a request back to its queue
+    (its KV pool is small) and aborts every request there. What the reader relayed of the
+    retracted answer is each of its tokens once, counted exactly, and the worker stays well."""
+    emu = launch([*RETRACTING_WORKER, *(["--incremental-streaming-output"] if incremental else [])])
+    url, calls = emu.urls[0], []
+    try:
+        for k in range(4):
+            payload = {
+                "input_ids": list(range(100 + k, 120 + k)),
+                "sampling_params": {"max_new_tokens": RETRACTED_ANSWER_TOKENS, "ignore_eos": True},
+            }
+            events = Events()
+            call = await worker_stream.start(
+                url, payload, incremental=incremental, on_event=events, heard=Worker(url), connect_timeout_s=5.0
+            )
+            calls.append((call, events))
+        async with aiohttp.ClientSession() as http:
+            await abort_all_once_one_is_retracted(http, url)
+        async with asyncio.timeout(30):
+            await asyncio.gather(*(call.done for call, _ in calls))  # none failed: aborts are answers' ends
+    finally:
+        for call, _ in calls:
+            call.close()
+        emu.stop()
+    retracted = [e for _, e in calls if e.finish["message"] == "Abort in waiting queue" and e.counts[-1] > 0]
+    assert retracted, [(e.finish, e.counts[-1]) for _, e in calls]
+    for events in retracted:
+        relayed = "".join(events.text)
+        assert relayed.encode() == b"".join(map(tokens.token_bytes, events.ids))  # each token once
+        assert events.counts[-1] == events.counts[-2] == len(events.ids) and events.text[-1] == ""
 
 
 async def test_an_endless_event_is_cut_at_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -61,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-running-requests", type=runtime.positive_int, default=None)
     p.add_argument(
+        "--max-total-tokens",
+        type=runtime.positive_int,
+        default=None,
+        help="the KV pool's size in tokens, as SGLang's (default: what the GPU holds)",
+    )
+    p.add_argument(
         "--mean-output-tokens",
         type=runtime.positive_float,
         default=1278.0,
@@ -131,6 +137,7 @@ def worker_configs(args: argparse.Namespace) -> list[WorkerConfig]:
             tokenizer_path=args.tokenizer_path or args.model_path,
             mean_output_tokens=args.mean_output_tokens,
             max_running_requests=args.max_running_requests,
+            max_total_tokens=args.max_total_tokens,
             stream_interval=args.stream_interval,
             incremental_streaming_output=args.incremental_streaming_output,
             tp_size=args.tp_size,

@@ -73,6 +73,7 @@ class Sequence:
     finished_at: float | None = None
     abort_message: str | None = None
     aborted_tokens: int = 0  # what the client had when the abort came
+    aborted_waiting: bool = False  # in the waiting queue then: never admitted, or retracted back to it
     finish_step: int = 0
     retractions: int = 0
     first_token: asyncio.Future[None] = field(default_factory=lambda: _new_future())
@@ -200,6 +201,7 @@ class Engine:
         if seq.state is SeqState.FINISHED or seq.abort_message is not None:
             return
         seq.aborted_tokens = self.generated_tokens(seq)
+        seq.aborted_waiting = seq.state is SeqState.WAITING
         seq.abort_message = message
         self._aborted.append(seq)
         _resolve(seq.first_token)

@@ -155,7 +155,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         incremental = worker.config.incremental_streaming_output
 
         def event(since: int, k: int) -> bytes:
-            return sse(_generate_event(gen, k, since if incremental else 0))
+            return sse(_generate_event(gen, k, since if incremental else 0, incremental=incremental))
 
         sent = await EventStream(gen, request, response, event).run()
         await response.write(event(sent, gen.tokens_now()) + SSE_DONE)
@@ -164,9 +164,18 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         worker.release(gen)
 
 
-def _generate_event(gen: Generation, k: int, since: int) -> dict[str, Any]:
-    """Everything after `since` tokens up to `k` (since = 0: cumulative)."""
-    text, ids = gen.output(since, k)
+def _generate_event(gen: Generation, k: int, since: int, *, incremental: bool = False) -> dict[str, Any]:
+    """Everything after `since` tokens up to `k` (since = 0: cumulative). A request aborted in the
+    waiting queue, never admitted or retracted back to it, ends as SGLang 0.5.23 ends it
+    (TokenizerManager._handle_abort_req): its whole text so far, and every id or, streamed in
+    increments, the last one again."""
+    if gen.aborted_in_queue:
+        text, ids = gen.output(0, k)
+        if incremental:
+            ids = ids[-1:]
+        since = k - len(ids)
+    else:
+        text, ids = gen.output(since, k)
     meta = meta_info(gen, k)
     if gen.spec.top_logprobs is not None:
         meta["output_token_logprobs"] = [[logprob(since + i, t), t, None] for i, t in enumerate(ids)]
@@ -240,6 +249,7 @@ def _server_args(worker: EmulatedWorker) -> dict[str, Any]:
         "context_length": c.context_length,
         "chunked_prefill_size": c.profile.chunked_prefill_tokens,
         "max_running_requests": e.max_running_requests,
+        "max_total_tokens": c.max_total_tokens,
         "schedule_policy": "fcfs",
         "schedule_conservativeness": 1.0,
         "stream_interval": c.stream_interval,

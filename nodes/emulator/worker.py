@@ -35,6 +35,7 @@ class WorkerConfig:
     tokenizer_path: str = "openai/gpt-oss-120b"
     mean_output_tokens: float = 1278.0  # MLPerf gpt-oss-120b mean output length
     max_running_requests: int | None = None
+    max_total_tokens: int | None = None  # SGLang's --max-total-tokens: the KV pool (None: the GPU's)
     # Decode steps between a stream's events, SGLang's --stream-interval: 1 (its default) is an
     # event per token; a request's sampling_params.stream_interval overrides it.
     stream_interval: int = 1
@@ -83,7 +84,7 @@ class Generation:
 
     @property
     def aborted_in_queue(self) -> bool:
-        return self.seq.abort_message is not None and self.seq.admitted_at is None
+        return self.seq.abort_message is not None and self.seq.aborted_waiting
 
     def finish_reason(self) -> dict[str, object] | None:
         """SGLang's finish_reason: None while running."""
@@ -109,6 +110,7 @@ class EmulatedWorker:
             config.profile,
             speed=config.speed,
             max_running_requests=config.max_running_requests,
+            kv_capacity_tokens=config.max_total_tokens,
             listener=self.metrics,
         )
         self.engine.set_slowdown(self.faults.slowdown)
