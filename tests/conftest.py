@@ -78,7 +78,7 @@ async def abort_all_once_one_is_retracted(http: aiohttp.ClientSession, url: str)
         while True:
             async with http.get(url + "/_emulator/state") as resp:
                 engine = (await resp.json())["engine"]
-            if engine["retractions"] and engine["waiting"]:
+            if engine["waiting_retracted"]:
                 break
             await asyncio.sleep(0.02)
     async with http.post(url + "/abort_request", json={"abort_all": True}) as resp:

@@ -2,11 +2,12 @@
 
 Starts the embedded default (slowed as `fedctl bench` slows it, every worker's port pinned so
 faults can reach them), keeps it loaded in a closed loop (every finished request replaced at
-once, as a busy fleet is; a failed one after a back-off, as a user's client backs off), injects the scenario's fault after a warm-up, and measures what the
-clients saw: requests failed and lost, the gateway's retries and resumed streams, how soon
-the fault was detected and throughput recovered, and throughput before, during and after.
-With `--endpoint` it drills a federation already running instead, broken by the operator's
-`--inject`/`--heal` commands (see `target.py`), and measures the same.
+once, as a busy fleet is; a failed one after a back-off, as a user's client backs off),
+injects the scenario's fault after a warm-up, and measures what the clients saw: requests
+failed and lost, the gateway's retries and resumed streams, how soon the fault was detected
+and throughput recovered, and throughput before, during and after. With `--endpoint` it
+drills a federation already running instead, broken by the operator's `--inject`/`--heal`
+commands (see `target.py`), and measures the same.
 
 `recovery_s`: seconds from the fault until throughput, averaged over 3 s, is back to 90 % of
 what the surviving capacity delivered before it (a crashed site's share gone, a browned-out

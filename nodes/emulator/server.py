@@ -59,6 +59,7 @@ def _state(worker: EmulatedWorker) -> dict[str, Any]:
             "running": len(e.running),
             "prefilling": len(e.prefilling),
             "waiting": len(e.waiting),
+            "waiting_retracted": sum(1 for s in e.waiting if s.retractions),  # back in the queue mid-answer
             "kv_used_tokens": e.kv_used_tokens(),
             "kv_capacity_tokens": e.kv_capacity_tokens,
             "max_running_requests": e.max_running_requests,
