@@ -260,7 +260,8 @@ async def test_an_abort_after_tokens_relays_none_of_its_own(incremental: bool) -
 async def test_an_emulated_worker_that_retracts_then_aborts_is_relayed_once(incremental: bool) -> None:
     """The same, from a worker's real stream: the emulator retracts a request back to its queue
     (its KV pool is small) and aborts every request there. What the reader relayed of the
-    retracted answer is each of its tokens once, counted exactly, and the worker stays well."""
+    retracted answer is each of its tokens once, counted exactly, and no call fails (a failed call
+    would mark the worker unhealthy)."""
     emu = launch([*RETRACTING_WORKER, *(["--incremental-streaming-output"] if incremental else [])])
     url, calls = emu.urls[0], []
     try:
