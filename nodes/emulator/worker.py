@@ -84,7 +84,7 @@ class Generation:
 
     @property
     def aborted_in_queue(self) -> bool:
-        return self.seq.abort_message is not None and self.seq.aborted_waiting
+        return self.seq.aborted_waiting  # set by the engine's abort, with its message
 
     def finish_reason(self) -> dict[str, object] | None:
         """SGLang's finish_reason: None while running."""
