@@ -71,6 +71,12 @@ RETRACTING_WORKER = ["--profile", "mi300x", "--workers", "1", "--speed", "5", "-
 RETRACTED_ANSWER_TOKENS = 800
 
 
+def retracting_requests() -> list[dict]:
+    """The four /generate requests (without `stream`) that outgrow RETRACTING_WORKER's pool."""
+    params = {"max_new_tokens": RETRACTED_ANSWER_TOKENS, "ignore_eos": True}
+    return [{"input_ids": list(range(100 + k, 120 + k)), "sampling_params": params} for k in range(4)]
+
+
 async def abort_all_once_one_is_retracted(http: aiohttp.ClientSession, url: str) -> None:
     """Wait until the worker has retracted a request back to its waiting queue, then abort every
     request it holds (SGLang's /abort_request with abort_all)."""

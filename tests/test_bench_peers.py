@@ -43,8 +43,7 @@ async def test_round_robin_serves_exact_streams_and_leaves_no_process() -> None:
         ours = [child.pid for child in router.children]
         emulators = [c for c in router.children if isinstance(c, EmulatorProcess)]
         async with client.session() as http:
-            async with http.http.get(router.endpoint + "/models") as resp:
-                model = (await resp.json(content_type=None))["data"][0]["id"]  # the router says text/plain
+            model = await client.served_model(http, router.endpoint)
             async with http.http.get(router.endpoint.removesuffix("/v1") + "/workers") as resp:
                 listed = {w["url"] for w in (await resp.json())["workers"]}
             results = await asyncio.gather(*(client.send(http, router.endpoint, CONFIG.model, s) for s in samples))

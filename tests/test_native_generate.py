@@ -11,7 +11,7 @@ import pytest
 from core import tokens
 from nodes.emulator.launch import EmulatorProcess as Emulator
 from nodes.emulator.launch import launch
-from tests.conftest import RETRACTED_ANSWER_TOKENS, RETRACTING_WORKER, abort_all_once_one_is_retracted
+from tests.conftest import RETRACTING_WORKER, abort_all_once_one_is_retracted, retracting_requests
 
 
 async def _events(resp: aiohttp.ClientResponse) -> list[dict]:
@@ -168,13 +168,11 @@ async def test_a_request_retracted_then_aborted_in_the_queue_ends_as_sglang_ends
     try:
         url = emu.urls[0]
 
-        async def answer(k: int) -> list[dict]:
-            params = {"max_new_tokens": RETRACTED_ANSWER_TOKENS, "ignore_eos": True}
-            body = {"input_ids": list(range(100 + k, 120 + k)), "stream": True, "sampling_params": params}
-            async with http.post(url + "/generate", json=body) as resp:
+        async def answer(request: dict) -> list[dict]:
+            async with http.post(url + "/generate", json={**request, "stream": True}) as resp:
                 return await _events(resp)
 
-        answers = [asyncio.create_task(answer(k)) for k in range(4)]
+        answers = [asyncio.create_task(answer(request)) for request in retracting_requests()]
         await abort_all_once_one_is_retracted(http, url)
         ends = await asyncio.gather(*answers)
     finally:

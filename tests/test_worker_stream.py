@@ -19,7 +19,7 @@ from nodes.agent.relay import RelayCall, Relayed
 from nodes.agent.sglang import WorkerFailed, WorkerRejected, WorkerUnreachable
 from nodes.emulator.launch import EmulatorProcess as Emulator
 from nodes.emulator.launch import launch
-from tests.conftest import RETRACTED_ANSWER_TOKENS, RETRACTING_WORKER, abort_all_once_one_is_retracted
+from tests.conftest import RETRACTING_WORKER, abort_all_once_one_is_retracted, retracting_requests
 
 PAYLOAD = {"input_ids": list(range(1000, 1016)), "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}}
 
@@ -265,11 +265,7 @@ async def test_an_emulated_worker_that_retracts_then_aborts_is_relayed_once(incr
     emu = launch([*RETRACTING_WORKER, *(["--incremental-streaming-output"] if incremental else [])])
     url, calls = emu.urls[0], []
     try:
-        for k in range(4):
-            payload = {
-                "input_ids": list(range(100 + k, 120 + k)),
-                "sampling_params": {"max_new_tokens": RETRACTED_ANSWER_TOKENS, "ignore_eos": True},
-            }
+        for payload in retracting_requests():
             events = Events()
             call = await worker_stream.start(
                 url, payload, incremental=incremental, on_event=events, heard=Worker(url), connect_timeout_s=5.0
