@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from core.cpu_clock import CpuCollector
 from core.wire import SiteStatus
 from scheduler.registry import Registry
 
@@ -83,3 +84,4 @@ class SchedulerMetrics:
             registry=self.registry,
         )
         self.registry.register(SitesCollector(registry))
+        self.registry.register(CpuCollector("federation_scheduler_cpu_seconds", {}))

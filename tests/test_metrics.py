@@ -103,6 +103,7 @@ async def test_every_process_says_what_it_did(fed: Federation) -> None:
             )
             == 1
         )
+    _assert_cpu(scheduler["federation_scheduler_cpu_seconds"], "federation_scheduler_cpu_seconds_total")
     relayed = 0.0
     for site in c.sites:
         status, text = await _scrape(
@@ -113,6 +114,7 @@ async def test_every_process_says_what_it_did(fed: Federation) -> None:
         relayed += _value(agent["federation_agent_relayed_tokens"], "federation_agent_relayed_tokens_total")
         workers = agent["federation_agent_workers"]
         assert _value(workers, "federation_agent_workers", health="healthy") == 2
+        _assert_cpu(agent["federation_agent_cpu_seconds"], "federation_agent_cpu_seconds_total", site=site.name)
     assert relayed >= 6 * 20  # the calibration probes' tokens too
     async with aiohttp.ClientSession() as http:
         async with http.get(c.gateway_url + "/metrics") as resp:
@@ -122,6 +124,13 @@ async def test_every_process_says_what_it_did(fed: Federation) -> None:
     assert _value(gateway["federation_gateway_tpot_seconds"], "federation_gateway_tpot_seconds_count") == 6
     assert _value(gateway["federation_gateway_route_seconds"], "federation_gateway_route_seconds_count") == 6
     assert _value(gateway["federation_gateway_degraded"], "federation_gateway_degraded") == 0
+    _assert_cpu(gateway["federation_gateway_cpu_seconds"], "federation_gateway_cpu_seconds")
+
+
+def _assert_cpu(samples: list, name: str, **labels: str) -> None:
+    """A process's CPU: its event loop's thread (what runs on one core) within the whole process's."""
+    loop, process = (_value(samples, name, part=part, **labels) for part in ("loop", "process"))
+    assert 0 < loop <= process, (loop, process)
 
 
 @pytest.mark.parametrize("caller", ["gateway", "site", "none"])

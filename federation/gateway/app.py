@@ -323,6 +323,7 @@ def build_app(config: GatewayConfig) -> web.Application:
         flushing.cancel()
         await asyncio.gather(flushing, return_exceptions=True)
         metrics.flush_relayed()
+        metrics.process_exiting()
         await app[SCHEDULERS_KEY].close()
         await app[UPSTREAM_KEY].close()
 

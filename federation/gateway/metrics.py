@@ -27,6 +27,8 @@ from prometheus_client import (
     multiprocess,
 )
 
+from core.cpu_clock import CpuClock
+
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 REGISTRY = CollectorRegistry()
@@ -124,6 +126,17 @@ HELD = Gauge(
     registry=REGISTRY,
     multiprocess_mode="livesum",
 )
+# A gauge, not a counter: in multiprocess mode counters are summed over the processes, and what an
+# operator asks is whether any one process's loop is near its core (core/cpu_clock.py); each live
+# process is its own series (a `pid` label).
+CPU_SECONDS = Gauge(
+    "federation_gateway_cpu_seconds",
+    "CPU seconds of this gateway process: part=loop (its event loop's thread, which runs on one core) or "
+    "process (every thread); written twice a second.",
+    ["part"],
+    registry=REGISTRY,
+    multiprocess_mode="liveall",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,11 +178,21 @@ def flush_relayed() -> None:
 async def flush_forever(degraded: Callable[[], bool], held: Callable[[], int]) -> None:
     """The token counts, and the gauges of this process's state, written out twice a second
     (in multiprocess mode a scrape reads what each process last wrote)."""
+    cpu = CpuClock()  # made here, on the loop's thread
     while True:
         await asyncio.sleep(FLUSH_INTERVAL_S)
         flush_relayed()
         DEGRADED.set(1 if degraded() else 0)
         HELD.set(held())
+        for part, seconds in cpu.seconds().items():
+            CPU_SECONDS.labels(part).set(seconds)
+
+
+def process_exiting() -> None:
+    """This process's live gauges leave the shared directory with it (its held requests and CPU
+    would otherwise be read as a live process's)."""
+    if os.environ.get(MULTIPROCESS_DIR_ENV):
+        multiprocess.mark_process_dead(os.getpid())
 
 
 def request_done(outcome: str, retries: int, resumed: int) -> None:

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from core.cpu_clock import CpuCollector
 from nodes.agent.delivered import DeliveredRate
 from nodes.agent.pool import WorkerPool
 
@@ -88,3 +89,4 @@ class AgentMetrics:
             registry=self.registry,
         ).labels(site)
         self.registry.register(_StateCollector(site, pool, delivered))
+        self.registry.register(CpuCollector("federation_agent_cpu_seconds", {"site": site}))
