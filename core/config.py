@@ -53,6 +53,7 @@ class SiteConfig:
     agent_port: int
     worker_port: int | None = None  # first port of the emulated workers; None: any free block
     metrics_port: int | None = None  # the agent's /metrics (docs/METRICS.md); None: not served
+    readers: int = 0  # processes reading the workers' streams beside the agent (its --readers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +184,7 @@ class _Site(_Section):
     agent_port: _PORT
     worker_port: _PORT | None = None  # first port of the emulated workers; None: any free block
     metrics_port: _PORT | None = None
+    readers: Annotated[int, Strict(), Field(ge=0, le=64)] = 0  # the agent's --readers
 
     @pydantic.model_validator(mode="after")
     def _ports(self) -> _Site:
@@ -228,7 +230,8 @@ def parse(text: str, source: str = "config") -> Config:
         a, b = link.between
         rtt[(a, b)] = rtt[(b, a)] = float(link.rtt_ms)
     sites = tuple(
-        SiteConfig(s.name, s.region, s.gpu, s.gpus, s.agent_port, s.worker_port, s.metrics_port) for s in file.sites
+        SiteConfig(s.name, s.region, s.gpu, s.gpus, s.agent_port, s.worker_port, s.metrics_port, s.readers)
+        for s in file.sites
     )
     if len({s.name for s in sites}) != len(sites):
         raise ConfigError(f"{source}: site names must be unique")

@@ -218,6 +218,7 @@ class Federation:
                 str(c.stream_interval),
                 *(["--emulator-port", str(site.worker_port)] if site.worker_port else []),
                 *(["--metrics-port", str(site.metrics_port)] if site.metrics_port else []),
+                *(["--readers", str(site.readers)] if site.readers else []),
                 *(["--emulator-enable-faults"] if self.faults else []),
                 *_timings_args(c.timings.agent),
             ],

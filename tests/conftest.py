@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -89,6 +90,15 @@ async def abort_all_once_one_is_retracted(http: aiohttp.ClientSession, url: str)
             await asyncio.sleep(0.02)
     async with http.post(url + "/abort_request", json={"abort_all": True}) as resp:
         assert resp.status == 200
+
+
+async def until(check, bound_s: float) -> float:
+    """Seconds until `check()` (a coroutine function) is true; fails past `bound_s`."""
+    started = time.monotonic()
+    while not await check():
+        assert time.monotonic() - started < bound_s, "not within the bound"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - started
 
 
 @pytest.fixture

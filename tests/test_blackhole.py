@@ -6,7 +6,6 @@ behind one is found by the pings, and its streams resume elsewhere."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import aiohttp
 import pytest
@@ -14,18 +13,10 @@ import pytest
 from core.pki import Identity, Role
 from core.processes import free_port_block, start_python
 from federation.linkproxy import BLACKHOLE_SIGNAL, Link, LinkProxy
+from tests.conftest import until
 from tests.test_federation import MODEL
 
 DETECTION_BOUND_S = 5.0  # generous: two keepalive periods (2 s) plus a loaded machine's slack
-
-
-async def _until(check, bound_s: float) -> float:
-    """Seconds until `check()` (a coroutine function) is true; fails past `bound_s`."""
-    started = time.monotonic()
-    while not await check():
-        assert time.monotonic() - started < bound_s, "not within the bound"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - started
 
 
 @pytest.mark.timeout(180)
@@ -65,22 +56,22 @@ async def test_blackholed_scheduler_replicas_are_routed_around_then_degraded(mak
                     await asyncio.sleep(0.02)
 
             first = f"{host}:{proxies[0].port}"
-            await _until(lambda: _is(health, "ok", first), 30)
+            await until(lambda: _is(health, "ok", first), 30)
             load = asyncio.ensure_future(traffic())
             await asyncio.sleep(1.0)
 
             proxies[0].blackhole()
             second = f"{host}:{proxies[1].port}"
-            await _until(lambda: _is(health, "ok", second), DETECTION_BOUND_S)
+            await until(lambda: _is(health, "ok", second), DETECTION_BOUND_S)
             await asyncio.sleep(3.0)  # routes flow through the second replica meanwhile
 
             proxies[1].blackhole()
-            await _until(lambda: _is(health, "degraded", None), 2 * DETECTION_BOUND_S)
+            await until(lambda: _is(health, "degraded", None), 2 * DETECTION_BOUND_S)
             await asyncio.sleep(3.0)  # routes decided here, from the last state
 
             for proxy in proxies:
                 proxy.heal()
-            await _until(lambda: _is(health, "ok", None), 15)
+            await until(lambda: _is(health, "ok", None), 15)
             await asyncio.sleep(1.0)
             load.cancel()
             await asyncio.gather(load, return_exceptions=True)
@@ -127,5 +118,5 @@ async def test_streams_at_a_blackholed_site_resume_elsewhere_within_seconds(make
         streams = [asyncio.ensure_future(stream()) for _ in range(8)]
         await asyncio.sleep(3.0)  # every stream has begun, at both sites
         fed.child("link gateway->kr-mi300x").proc.send_signal(BLACKHOLE_SIGNAL)
-        await _until(resumed, DETECTION_BOUND_S)  # fails past the bound
+        await until(resumed, DETECTION_BOUND_S)  # fails past the bound
         assert all(t > 0 for t in await asyncio.gather(*streams))

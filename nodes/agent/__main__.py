@@ -41,6 +41,7 @@ from nodes.agent import calibrate
 from nodes.agent.join import JoinGate
 from nodes.agent.launcher import Launcher
 from nodes.agent.pool import WorkerPool
+from nodes.agent.readers import ReaderPool
 from nodes.agent.reporter import ReportFeed
 from nodes.agent.service import SiteAgentService
 from nodes.emulator import __main__ as emulator_main
@@ -96,6 +97,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="how long a stream's tokens gather before they go to the gateway: the cadence of the chunks "
         "clients see (default 100 ms; the first token and the end go at once; see nodes/agent/relay.py)",
+    )
+    p.add_argument(
+        "--readers",
+        type=runtime.non_negative_int,
+        default=0,
+        help="processes that read the workers' streams beside this one (default 0: it reads them itself); "
+        "one core reads ~60 k tokens/s at SGLang's pace, so a site of more than ~4 MI355X needs them "
+        "(see nodes/agent/readers.py, docs/DATAPATH.md)",
     )
     p.add_argument("--speed", type=float, default=1.0, help="emulated GPU speed (with --emulate, --launch emulator)")
     p.add_argument(
@@ -204,7 +213,10 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     pool = WorkerPool(urls, session, args.timings, (own.model, own.tokenizer) if launched else None)
     address = f"{args.host}:{args.port}"
     gate = JoinGate(args.site, args.region, args.gpu, args.gpus, args.join_credential, args.scheduler or [])
-    service = SiteAgentService(args.site, pool, session, gate, args.advertise or address, Guard(args.tls))
+    readers = ReaderPool(args.readers) if args.readers else None
+    if readers is not None:
+        await readers.open()
+    service = SiteAgentService(args.site, pool, session, gate, args.advertise or address, Guard(args.tls), readers)
     launcher: Launcher | None = None
     if launched:
         emulated = {} if args.launch == "sglang" else _emulator_env(args)

@@ -24,6 +24,7 @@ from nodes.agent.delivered import DeliveredRate
 from nodes.agent.join import JoinGate
 from nodes.agent.metrics import AgentMetrics
 from nodes.agent.pool import FAILURES_TO_UNHEALTHY, NoHealthyWorker, Worker, WorkerPool
+from nodes.agent.readers import ReaderLost, ReaderPool, RemoteCall
 from nodes.agent.relay import RelayCall, Relayed
 
 log = structlog.get_logger("agent")
@@ -93,9 +94,12 @@ class SiteAgentService(wire.SiteAgentServicer):
         gate: JoinGate,
         address: str,
         guard: Guard = UNGUARDED,
+        readers: ReaderPool | None = None,
     ) -> None:
         self.site = site
         self.guard = guard
+        self.readers = readers  # the workers' streams read in other processes (--readers)
+        self._start_call = readers.start if readers is not None else worker_stream.start
         self.timings = pool.timings
         self.pool = pool
         self.session = session
@@ -107,7 +111,7 @@ class SiteAgentService(wire.SiteAgentServicer):
         self.ledger = _Ledger()
         self.delivered = DeliveredRate()
         self.metrics = AgentMetrics(site, pool, self.delivered)
-        self._calls: dict[worker_stream.WorkerCall, Worker] = {}  # to workers, for the watcher
+        self._calls: dict[worker_stream.WorkerCall | RemoteCall, Worker] = {}  # to workers, for the watcher
         self._held: dict[Relayed, _Held] = {}  # generations at a worker: what they hold in the ledger
         self._aborts: set[asyncio.Future[None]] = set()  # keep them alive until they finish
 
@@ -233,10 +237,10 @@ class SiteAgentService(wire.SiteAgentServicer):
         self.ledger.assign(worker, expected)
         held = self._held[record] = _Held(worker, expected)
         record.worker = worker.url
-        call: worker_stream.WorkerCall | None = None
+        call: worker_stream.WorkerCall | RemoteCall | None = None
         worker_done = False
         try:
-            call = await worker_stream.start(
+            call = await self._start_call(
                 worker.url,
                 payload,
                 incremental=worker.incremental,
@@ -257,7 +261,8 @@ class SiteAgentService(wire.SiteAgentServicer):
             # either way it is not running anything an abort could stop.
             silent_s = time.monotonic() - worker.last_event_at
             hung = worker.failures >= FAILURES_TO_UNHEALTHY or silent_s > self.timings.between_events_timeout_s
-            self.pool.mark_failed(worker)
+            if not isinstance(exc, ReaderLost):  # the agent's own reader died, not the worker
+                self.pool.mark_failed(worker)
             # A lost connection ended the request at the worker, and a hung worker learns it from
             # the connection closed here: no abort to send (a dead or hung worker takes thousands
             # of streams with it, and their aborts would only be refused or queue behind the hang).
@@ -301,8 +306,10 @@ class SiteAgentService(wire.SiteAgentServicer):
         task.add_done_callback(self._aborts.discard)
 
     async def close(self) -> None:
-        """Let the aborts already sent finish before the HTTP session closes."""
+        """Let the aborts already sent finish before the HTTP session closes; stop the readers."""
         await asyncio.gather(*self._aborts, return_exceptions=True)
+        if self.readers is not None:
+            await self.readers.close()
 
     async def Join(self, request, context):
         await self.guard.admit(context, "Join")

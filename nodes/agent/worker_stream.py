@@ -126,6 +126,16 @@ class WorkerCall(asyncio.Protocol):
         if not self.done.done():  # closed by its owner: nobody awaits the outcome any more
             self.done.cancel()
 
+    def pause(self) -> None:
+        """Stop reading the worker until `resume`: whoever the events go to is behind (the events
+        wait in the kernel, and then SGLang's sends do)."""
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
+
     # ---- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

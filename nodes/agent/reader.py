@@ -1,0 +1,184 @@
+"""`python -m nodes.agent.reader --fd N`: one of a site agent's reader processes (`--readers`).
+
+It runs the worker calls the agent hands it on its socket pair (fd N) with `worker_stream`, as
+the agent would itself, and sends back every event, logprob and outcome that a turn of its loop
+gathered as one message (nodes/agent/readers.py). It has no port and serves nobody else; it
+exits when the agent closes its end (or dies: it is also signalled then).
+
+If the agent falls behind, the reader's writes to it back up; past `HIGH_WATER_BYTES` it stops
+reading the workers until the agent catches up, so a slow agent slows the workers' sends (TCP's
+own back-pressure) rather than filling this process's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import sys
+from functools import partial
+from typing import Any
+
+import structlog
+
+from core import runtime
+from nodes.agent import worker_stream
+from nodes.agent.readers import CLOSE, DONE, ENDED, ERRORS, EVENT, LOGPROBS, START, Frames, frame
+from nodes.agent.sglang import WorkerFailed, WorkerRejected
+
+log = structlog.get_logger("agent.reader")
+
+HIGH_WATER_BYTES = 16 * 1024**2
+
+
+class _Unheard:
+    """The worker's `heard` lives in the agent, which stamps it as the events arrive there."""
+
+    __slots__ = ("last_event_at",)
+
+    def __init__(self) -> None:
+        self.last_event_at = 0.0
+
+
+class AgentLink(asyncio.Protocol):
+    """The reader's end of its socket pair: commands in, batched events out."""
+
+    def __init__(self) -> None:
+        self._frames = Frames()
+        self._transport: asyncio.Transport | None = None
+        self._out: list[list[Any]] = []
+        self._flushing = False
+        self._paused = False
+        self._calls: dict[int, worker_stream.WorkerCall] = {}
+        self._starting: dict[int, asyncio.Task[None]] = {}
+        self._unheard = _Unheard()
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    # ---- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._transport.set_write_buffer_limits(high=HIGH_WATER_BYTES)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            commands = self._frames.feed(data)
+        except ValueError as exc:
+            log.error("reader.garbled", error=str(exc))
+            assert self._transport is not None
+            self._transport.abort()
+            return
+        for command in commands:
+            if command[0] == START:
+                call_id = command[1]
+                self._starting[call_id] = asyncio.ensure_future(self._run(call_id, *command[2:]))
+            elif command[0] == CLOSE:
+                self._close(command[1])
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for call in list(self._calls.values()):
+            call.close()
+        for task in self._starting.values():
+            task.cancel()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+        for call in self._calls.values():
+            call.pause()
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        for call in self._calls.values():
+            call.resume()
+
+    # ---- the calls ---------------------------------------------------------------------------
+
+    async def _run(
+        self,
+        call_id: int,
+        url: str,
+        payload: dict[str, Any],
+        incremental: bool,
+        logprobs: bool,
+        connect_timeout_s: float,
+        headers: list[list[str]],
+    ) -> None:
+        try:
+            call = await worker_stream.start(
+                url,
+                payload,
+                incremental=incremental,
+                on_event=partial(self._event, call_id),
+                on_logprobs=partial(self._logprobs, call_id) if logprobs else None,
+                heard=self._unheard,
+                connect_timeout_s=connect_timeout_s,
+                headers=[(name, value) for name, value in headers],
+            )
+        except WorkerFailed as exc:  # unreachable
+            self._ended(call_id, exc)
+            return
+        finally:
+            self._starting.pop(call_id, None)
+        self._calls[call_id] = call
+        if self._paused:
+            call.pause()
+        try:
+            await call.done
+            self._send([DONE, call_id])
+        except asyncio.CancelledError:
+            pass  # closed: the agent asked, or it is gone
+        except (WorkerFailed, WorkerRejected) as exc:
+            self._ended(call_id, exc)
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _close(self, call_id: int) -> None:
+        call = self._calls.pop(call_id, None)
+        if call is not None:
+            call.close()
+        starting = self._starting.pop(call_id, None)
+        if starting is not None:
+            starting.cancel()
+
+    def _event(self, call_id: int, text: str, ids: list[int], completion: int, prompt: int, finish: Any) -> None:
+        self._send([EVENT, call_id, text, ids, completion, prompt, finish])
+
+    def _logprobs(self, call_id: int, chosen: list[float], top: list[tuple[tuple[int, float], ...]]) -> None:
+        self._send([LOGPROBS, call_id, chosen, top])
+
+    def _ended(self, call_id: int, exc: WorkerFailed | WorkerRejected) -> None:
+        code = next(i for i, kind in enumerate(ERRORS) if isinstance(exc, kind))  # the subclass first
+        self._send([ENDED, call_id, code, str(exc), getattr(exc, "connection_lost", False)])
+
+    def _send(self, entry: list[Any]) -> None:
+        """Into this turn's message, written once the turn's callbacks are done."""
+        self._out.append(entry)
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        out, self._out = self._out, []
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(frame(out))
+
+
+async def serve(args: argparse.Namespace) -> int:
+    link = AgentLink()
+    sock = socket.socket(fileno=args.fd)
+    await asyncio.get_running_loop().create_connection(lambda: link, sock=sock)
+    await link.closed
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nodes.agent.reader", description=__doc__)
+    p.add_argument("--fd", type=int, required=True, help="this process's end of the agent's socket pair")
+    return runtime.run(serve, p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""The workers' streams read in other processes (`--readers N`), so that a site is not capped by
+the agent's one core.
+
+At SGLang's per-token pace reading the workers is most of the agent's CPU: a `recv`, its ACK,
+the HTTP framing and an event's decoding per token (`worker_stream`, docs/DATAPATH.md), and one
+Python process runs on one core. A site of more than ~4 MI355X makes more events than one core
+reads. With reader processes, each holds a share of the worker calls (`nodes/agent/reader.py`)
+and hands the events each turn of its loop gathered to the agent as one message, over a socket
+pair that only the two processes hold. The agent keeps everything else (the slots, the ledger,
+the relay, the deadlines), and pays per event only a decoded tuple and the relay's own work.
+
+`ReaderPool.start` stands in for `worker_stream.start`, and its `RemoteCall` for `WorkerCall`:
+the service does not know which one it holds. A reader that dies fails its calls with
+`ReaderLost` (their connections closed with it, so the workers have already dropped the
+requests), which the service does not count against the workers; the pool starts it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import structlog
+
+from core.processes import PROJECT_ROOT, die_with_parent
+from nodes.agent.sglang import WorkerFailed, WorkerRejected, WorkerUnreachable
+from nodes.agent.worker_stream import Heard, OnEvent, OnLogprobs
+
+log = structlog.get_logger("agent.readers")
+
+READER_MODULE = "nodes.agent.reader"  # what a reader process runs (`python -m`)
+# One message between the agent and a reader: a length, then msgpack.
+LENGTH = struct.Struct(">I")
+MAX_MESSAGE_BYTES = 64 * 1024**2  # a turn's events from thousands of streams are a few hundred KB
+# The agent → a reader.
+START, CLOSE = 0, 1
+# A reader → the agent, many in one message: ([EVENT, call, text, ids, completion, prompt, finish], ...).
+EVENT, LOGPROBS, DONE, ENDED = 0, 1, 2, 3
+# What an ENDED call raised, as a code.
+ERRORS: tuple[type[Exception], ...] = (WorkerUnreachable, WorkerFailed, WorkerRejected)
+RESTART_DELAY_S = 0.5  # a reader that died is started again after this (a crash loop stays slow)
+STOP_TIMEOUT_S = 10.0
+
+encode = msgspec.msgpack.Encoder().encode
+decode = msgspec.msgpack.Decoder().decode
+
+
+class ReaderLost(WorkerFailed):
+    """The reader process holding the call died: the worker did nothing wrong."""
+
+
+def frame(message: Any) -> bytes:
+    body = encode(message)
+    return LENGTH.pack(len(body)) + body
+
+
+class Frames:
+    """Splits a byte stream into its messages; raises ValueError on one over MAX_MESSAGE_BYTES."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        buffer = self._buffer
+        buffer += data
+        messages, at = [], 0
+        while len(buffer) - at >= LENGTH.size:
+            (size,) = LENGTH.unpack_from(buffer, at)
+            if size > MAX_MESSAGE_BYTES:
+                raise ValueError(f"a message of {size} bytes, over {MAX_MESSAGE_BYTES}")
+            if len(buffer) - at - LENGTH.size < size:
+                break
+            at += LENGTH.size
+            messages.append(decode(buffer[at : at + size]))
+            at += size
+        del buffer[:at]
+        return messages
+
+
+class RemoteCall:
+    """A worker call that a reader process runs: what the service uses of a `WorkerCall`."""
+
+    __slots__ = ("_heard", "_link", "_on_event", "_on_logprobs", "done", "id", "last_event_at", "started_at")
+
+    def __init__(
+        self, link: _ReaderLink, call_id: int, on_event: OnEvent, on_logprobs: OnLogprobs | None, heard: Heard
+    ) -> None:
+        self._link, self.id = link, call_id
+        self._on_event, self._on_logprobs, self._heard = on_event, on_logprobs, heard
+        self.started_at = time.monotonic()
+        self.last_event_at: float | None = None
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def fail(self, error: WorkerFailed | WorkerRejected) -> None:
+        if not self.done.done():
+            self.done.set_exception(error)
+        self.close()
+
+    def close(self) -> None:
+        """The reader closes the worker's connection (how SGLang learns its client is gone)."""
+        self._link.forget(self)
+        if not self.done.done():
+            self.done.cancel()
+
+
+class _ReaderLink(asyncio.Protocol):
+    """The agent's end of one reader's socket pair: commands out, events in, read in callbacks."""
+
+    def __init__(self, on_lost: Callable[[_ReaderLink], None]) -> None:
+        self._on_lost = on_lost
+        self._frames = Frames()
+        self._transport: asyncio.Transport | None = None
+        self.calls: dict[int, RemoteCall] = {}
+
+    def start(self, call: RemoteCall, request: list[Any]) -> None:
+        self.calls[call.id] = call
+        self._send([START, call.id, *request])
+
+    def forget(self, call: RemoteCall) -> None:
+        if self.calls.pop(call.id, None) is not None:
+            self._send([CLOSE, call.id])
+
+    def _send(self, command: list[Any]) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(frame(command))
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            batches = self._frames.feed(data)
+        except (ValueError, msgspec.DecodeError) as exc:
+            log.error("reader.garbled", error=str(exc))
+            assert self._transport is not None
+            self._transport.abort()  # connection_lost fails its calls
+            return
+        now = time.monotonic()
+        calls = self.calls
+        for batch in batches:
+            for entry in batch:
+                call = calls.get(entry[1])
+                if call is None or call.done.done():
+                    continue  # closed here meanwhile: what the reader sent before it knew is dropped
+                kind = entry[0]
+                if kind == EVENT:
+                    call.last_event_at = call._heard.last_event_at = now
+                    call._on_event(entry[2], entry[3], entry[4], entry[5], entry[6])
+                elif kind == LOGPROBS and call._on_logprobs is not None:
+                    call._on_logprobs(entry[2], [tuple(tuple(pair) for pair in at) for at in entry[3]])
+                elif kind == DONE:
+                    del calls[call.id]
+                    call.done.set_result(None)
+                elif kind == ENDED:
+                    del calls[call.id]
+                    error, message, connection_lost = ERRORS[entry[2]], entry[3], entry[4]
+                    call.done.set_exception(
+                        error(message) if error is WorkerRejected else error(message, connection_lost=connection_lost)
+                    )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        calls, self.calls = self.calls, {}
+        for call in calls.values():
+            if not call.done.done():
+                call.done.set_exception(ReaderLost("the agent's reader process died", connection_lost=True))
+        self._on_lost(self)
+
+
+class ReaderPool:
+    """`count` reader processes; each call goes to the one holding the fewest."""
+
+    def __init__(self, count: int) -> None:
+        self._count = count
+        self._links: list[_ReaderLink] = []
+        self._procs: dict[_ReaderLink, asyncio.subprocess.Process] = {}
+        self._restarting: set[asyncio.Future[None]] = set()
+        self._spawned = asyncio.Event()  # set and cleared at each start: wakes whoever waits for one
+        self._next_id = 0
+        self._closed = False
+
+    async def open(self) -> None:
+        for _ in range(self._count):
+            await self._spawn()
+
+    async def _spawn(self) -> None:
+        mine, theirs = socket.socketpair()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *(sys.executable, "-m", READER_MODULE, "--fd", str(theirs.fileno())),
+                cwd=PROJECT_ROOT,
+                pass_fds=(theirs.fileno(),),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
+            )
+        finally:
+            theirs.close()
+        _, link = await asyncio.get_running_loop().create_connection(lambda: _ReaderLink(self._lost), sock=mine)
+        self._links.append(link)
+        self._procs[link] = proc
+        self._spawned.set()
+        self._spawned.clear()
+        log.info("reader.started", pid=proc.pid)
+
+    def _lost(self, link: _ReaderLink) -> None:
+        self._links.remove(link)
+        proc = self._procs.pop(link)
+        if self._closed:
+            return
+        log.warning("reader.lost", pid=proc.pid, exit_code=proc.returncode)
+        restart = asyncio.ensure_future(self._respawn(proc))
+        self._restarting.add(restart)
+        restart.add_done_callback(self._restarting.discard)
+
+    async def _respawn(self, dead: asyncio.subprocess.Process) -> None:
+        await dead.wait()
+        await asyncio.sleep(RESTART_DELAY_S)
+        if not self._closed:
+            await self._spawn()
+
+    async def start(
+        self,
+        url: str,
+        payload: dict[str, Any],
+        *,
+        incremental: bool,
+        on_event: OnEvent,
+        heard: Heard,
+        connect_timeout_s: float,
+        on_logprobs: OnLogprobs | None = None,
+        headers: Sequence[tuple[str, str]] = (),
+    ) -> RemoteCall:
+        """As `worker_stream.start`, but the call is made by a reader: it is not connected yet when
+        this returns, and a worker that cannot be reached ends it with WorkerUnreachable."""
+        if not self._links:  # every reader died: wait (bounded) for one started again
+            try:
+                async with asyncio.timeout(connect_timeout_s):
+                    while not self._links:
+                        await self._spawned.wait()
+            except TimeoutError:
+                raise ReaderLost("no reader process is running", connection_lost=True) from None
+        link = min(self._links, key=lambda candidate: len(candidate.calls))
+        self._next_id += 1
+        call = RemoteCall(link, self._next_id, on_event, on_logprobs, heard)
+        link.start(call, [url, payload, incremental, on_logprobs is not None, connect_timeout_s, list(headers)])
+        return call
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in self._restarting:
+            task.cancel()
+        await asyncio.gather(*(_stop(proc) for proc in self._procs.values()), *self._restarting, return_exceptions=True)
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    proc.terminate()
+    try:
+        await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
