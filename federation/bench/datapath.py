@@ -49,6 +49,7 @@ from federation.bench import scenarios
 from federation.bench.peers import FlatRouter
 from federation.bench.workload import Sample
 from federation.embedded import Federation
+from nodes.agent.readers import READER_MODULE
 
 # The embedded default's sites with this many GPUs each: at real speed and full batches these
 # send ~20 k events/s, what this machine can emulate, relay and read at once (the issue's own
@@ -208,18 +209,34 @@ def _times(procs: Sequence[psutil.Process]) -> dict[int, tuple[float, float]]:
 
 
 def _federation_kinds(federation: Federation) -> dict[str, list[int]]:
-    kinds: dict[str, list[int]] = {"gateway": [], "agent": [], "scheduler": [], "emulator": [], "link": []}
+    kinds: dict[str, list[int]] = {
+        "gateway": [],
+        "agent": [],
+        "reader": [],
+        "scheduler": [],
+        "emulator": [],
+        "link": [],
+    }
     for child in federation.children:
         kind = child.name.split(" ")[0]
         kinds[kind].append(child.pid)
         if kind == "agent":  # its emulated workers run in processes it started; so do its reporter
             for proc in psutil.Process(child.pid).children(recursive=True):  # and multiprocessing's
-                try:  # tracker, which are the agent's
-                    own = "multiprocessing" in " ".join(proc.cmdline())
+                try:  # tracker, which are the agent's, and its readers (--readers), counted apart
+                    command = " ".join(proc.cmdline())
                 except psutil.Error:  # gone already: nothing of it to measure
                     continue
-                kinds["agent" if own else "emulator"].append(proc.pid)
+                own = "agent" if "multiprocessing" in command else "reader" if READER_MODULE in command else "emulator"
+                kinds[own].append(proc.pid)
+    if not kinds["reader"]:  # an agent without readers (--readers 0, the default)
+        del kinds["reader"]
     return kinds
+
+
+def _agent_us(phase: dict[str, Any]) -> float | None:
+    """The agent's CPU per token: its own process's and its readers'."""
+    per = phase["cpu_us_per_token"]
+    return None if per.get("agent") is None else round(per["agent"] + (per.get("reader") or 0.0), 2)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -325,11 +342,12 @@ def run(args: argparse.Namespace, samples: Sequence[Sample], config: Config, log
         "tokens_per_s": ours["tokens_per_s"],
         "client_events_per_s": ours["client_events_per_s"],
         "gateway_cpu_us_per_token": ours["cpu_us_per_token"].get("gateway"),
-        "agent_cpu_us_per_token": ours["cpu_us_per_token"].get("agent"),
+        "agent_cpu_us_per_token": _agent_us(ours),
+        "agent_readers_cpu_us_per_token": ours["cpu_us_per_token"].get("reader"),  # of it, its readers'
         "router_cpu_us_per_token": router_us,
         "gateway_over_router": _ratio(ours["cpu_us_per_token"].get("gateway"), router_us),
         "every_event_gateway_cpu_us_per_token": phases["federation every event"]["cpu_us_per_token"].get("gateway"),
-        "every_event_agent_cpu_us_per_token": phases["federation every event"]["cpu_us_per_token"].get("agent"),
+        "every_event_agent_cpu_us_per_token": _agent_us(phases["federation every event"]),
         "overhead_ms_p50": ours["overhead_ms_p50"],
         "overhead_ms_p99": ours["overhead_ms_p99"],
         "route_ms_p50": ours["route_ms_p50"],  # of the overhead: until the route was decided
