@@ -42,6 +42,10 @@ def test_default_is_the_embedded_federation() -> None:
             "sites: [{name: a, region: r, gpu: mi300x, gpus: '2', agent_port: 1}]",
             "sites[0].gpus: Input should be a valid integer",
         ),
+        (
+            "sites: [{name: a, region: r, gpu: mi300x, gpus: 2, agent_port: 1, readers: -1}]",
+            "sites[0].readers: Input should be greater than or equal to 0",
+        ),
         ("sites: []", "sites: List should have at least 1 item"),
         ("links: [{between: [a], rtt_ms: 5}]", "links[0].between[1]: Field required"),
         ("{{{", "not valid YAML"),
