@@ -7,6 +7,7 @@ reader is started again."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from typing import IO
 import aiohttp
 import psutil
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from core import wire
@@ -24,7 +26,8 @@ from core.errors import SiteWorkerFailed, UpstreamFailed
 from core.processes import Child, free_port_block, start_python
 from federation.gateway.upstream import SiteStream, Upstream
 from nodes.agent import worker_stream
-from nodes.agent.readers import MAX_MESSAGE_BYTES, READER_MODULE, Frames, frame
+from nodes.agent.readers import MAX_MESSAGE_BYTES, READER_MODULE, Frames, ReaderLost, ReaderPool, frame
+from nodes.agent.sglang import WorkerFailed
 from nodes.emulator.launch import EmulatorProcess, launch
 from tests.conftest import until
 
@@ -245,3 +248,82 @@ def test_messages_between_the_agent_and_a_reader_are_framed_and_bounded() -> Non
     assert out == messages
     with pytest.raises(ValueError, match="over"):
         Frames().feed((MAX_MESSAGE_BYTES + 1).to_bytes(4, "big") + b"x")
+
+
+async def _fake_worker() -> tuple[web.AppRunner, str]:
+    """A /generate that streams SGLang's events: three tokens and [DONE]; for rid "huge", a
+    finish reason msgpack cannot carry (an int past 64 bits), which JSON can."""
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        rid = (await request.json())["rid"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for n in (1, 2, 3):
+            finish = {"type": "stop", "matched": 2**70} if rid == "huge" and n == 3 else None
+            meta = {"id": rid, "finish_reason": finish, "completion_tokens": n, "prompt_tokens": 4}
+            event = {"text": f" t{n}", "output_ids": [100 + n], "meta_info": meta}
+            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await asyncio.sleep(0.05)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port_block(1)
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.timeout(60)
+async def test_an_event_that_cannot_be_carried_or_taken_fails_its_own_call_alone() -> None:
+    """One reader holds three calls: one whose worker sends an event msgpack cannot carry, one whose
+    events the agent's side cannot take (its sink raises), one plain. The first two fail, each
+    alone; the plain one gets all its tokens; the reader lives on."""
+    runner, url = await _fake_worker()
+    pool = ReaderPool(1)
+    await pool.open()
+    try:
+        got: dict[str, list[int]] = {"huge": [], "sink": [], "plain": []}
+
+        class Heard:
+            last_event_at = 0.0
+
+        def sink(rid: str):
+            def on_event(text: str, ids: list[int], completion: int, prompt: int, finish: object) -> None:
+                if rid == "sink":
+                    raise ValueError("a sink that breaks")
+                got[rid].append(completion)
+
+            return on_event
+
+        calls = {
+            rid: await pool.start(
+                url,
+                {"rid": rid, "input_ids": [1]},
+                incremental=True,
+                on_event=sink(rid),
+                heard=Heard(),
+                connect_timeout_s=5,
+            )
+            for rid in got
+        }
+        outcomes = await asyncio.gather(*(c.done for c in calls.values()), return_exceptions=True)
+        huge, broken, plain = outcomes
+        assert isinstance(huge, WorkerFailed) and "cannot carry" in str(huge), huge
+        assert isinstance(broken, ReaderLost), broken
+        assert plain is None and got["plain"] == [1, 2, 3]
+        assert got["huge"] == [1, 2]  # its tokens before the event that could not go
+        again = await pool.start(
+            url,
+            {"rid": "after", "input_ids": [1]},
+            incremental=True,
+            on_event=lambda *_: None,
+            heard=Heard(),
+            connect_timeout_s=5,
+        )
+        await asyncio.wait_for(again.done, 10)  # the same reader serves on
+    finally:
+        await pool.close()
+        await runner.cleanup()

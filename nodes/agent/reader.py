@@ -3,7 +3,7 @@
 It runs the worker calls the agent hands it on its socket pair (fd N) with `worker_stream`, as
 the agent would itself, and sends back every event, logprob and outcome that a turn of its loop
 gathered as one message (nodes/agent/readers.py). It has no port and serves nobody else; it
-exits when the agent closes its end (or dies: it is also signalled then).
+exits when its end reads EOF: the agent closed it, or died (the kernel closes the agent's end).
 
 If the agent falls behind, the reader's writes to it back up; past `HIGH_WATER_BYTES` it stops
 reading the workers until the agent catches up, so a slow agent slows the workers' sends (TCP's
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import socket
 import sys
 from functools import partial
@@ -23,7 +24,20 @@ import structlog
 
 from core import runtime
 from nodes.agent import worker_stream
-from nodes.agent.readers import CLOSE, DONE, ENDED, ERRORS, EVENT, LOGPROBS, START, Frames, frame
+from nodes.agent.readers import (
+    CLOSE,
+    DONE,
+    ENDED,
+    ENTRIES_PER_MESSAGE,
+    ERRORS,
+    EVENT,
+    LOGPROBS,
+    START,
+    Frames,
+    ReaderLost,
+    encode,
+    frame,
+)
 from nodes.agent.sglang import WorkerFailed, WorkerRejected
 
 log = structlog.get_logger("agent.reader")
@@ -119,6 +133,10 @@ class AgentLink(asyncio.Protocol):
         except WorkerFailed as exc:  # unreachable
             self._ended(call_id, exc)
             return
+        except Exception as exc:  # a bug of ours, not the worker's: the agent must still hear the end
+            log.exception("reader.start_failed")
+            self._ended(call_id, ReaderLost(f"the reader could not start the call: {type(exc).__name__}"))
+            return
         finally:
             self._starting.pop(call_id, None)
         self._calls[call_id] = call
@@ -162,8 +180,30 @@ class AgentLink(asyncio.Protocol):
     def _flush(self) -> None:
         self._flushing = False
         out, self._out = self._out, []
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(frame(out))
+        if self._transport is None or self._transport.is_closing():
+            return
+        for at in range(0, len(out), ENTRIES_PER_MESSAGE):
+            part = out[at : at + ENTRIES_PER_MESSAGE]
+            try:
+                message = frame(part)
+            except (TypeError, ValueError, OverflowError):  # an event msgpack cannot carry
+                message = frame(self._carried(part))
+            self._transport.write(message)
+
+    def _carried(self, entries: list[list[Any]]) -> list[list[Any]]:
+        """`entries`, each that cannot be encoded (a number past 64 bits in a finish reason, say)
+        replaced by its call's end as a worker failure, that call closed: the others go on."""
+        kept = []
+        for entry in entries:
+            try:
+                encode(entry)
+            except (TypeError, ValueError, OverflowError) as exc:
+                call_id = entry[1]
+                log.warning("reader.unsendable_event", error=str(exc))
+                self._close(call_id)
+                entry = [ENDED, call_id, ERRORS.index(WorkerFailed), f"an event the agent cannot carry: {exc}", True]
+            kept.append(entry)
+        return kept
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -175,6 +215,9 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A terminal's Ctrl-C reaches the whole process group: the agent decides when its readers stop
+    # (it closes their socket pairs as it drains), so they do not die under its draining streams.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     p = argparse.ArgumentParser(prog="python -m nodes.agent.reader", description=__doc__)
     p.add_argument("--fd", type=int, required=True, help="this process's end of the agent's socket pair")
     return runtime.run(serve, p.parse_args(argv))

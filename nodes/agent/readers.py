@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from core.processes import PROJECT_ROOT, die_with_parent
+from core.processes import PROJECT_ROOT
 from nodes.agent.sglang import WorkerFailed, WorkerRejected, WorkerUnreachable
 from nodes.agent.worker_stream import Heard, OnEvent, OnLogprobs
 
@@ -42,9 +42,8 @@ MAX_MESSAGE_BYTES = 64 * 1024**2  # a turn's events from thousands of streams ar
 START, CLOSE = 0, 1
 # A reader → the agent, many in one message: ([EVENT, call, text, ids, completion, prompt, finish], ...).
 EVENT, LOGPROBS, DONE, ENDED = 0, 1, 2, 3
-# What an ENDED call raised, as a code.
-ERRORS: tuple[type[Exception], ...] = (WorkerUnreachable, WorkerFailed, WorkerRejected)
 RESTART_DELAY_S = 0.5  # a reader that died is started again after this (a crash loop stays slow)
+RESTART_MAX_DELAY_S = 30.0  # and, while it cannot be started, again at most this far apart
 STOP_TIMEOUT_S = 10.0
 
 encode = msgspec.msgpack.Encoder().encode
@@ -52,7 +51,12 @@ decode = msgspec.msgpack.Decoder().decode
 
 
 class ReaderLost(WorkerFailed):
-    """The reader process holding the call died: the worker did nothing wrong."""
+    """The reader holding the call died or failed it itself: the worker did nothing wrong."""
+
+
+# What an ENDED call raised, as a code (a subclass before its base: the first that matches is sent).
+ERRORS: tuple[type[Exception], ...] = (WorkerUnreachable, ReaderLost, WorkerFailed, WorkerRejected)
+ENTRIES_PER_MESSAGE = 256  # a turn's entries go as several messages, each far below MAX_MESSAGE_BYTES
 
 
 def frame(message: Any) -> bytes:
@@ -119,16 +123,21 @@ class _ReaderLink(asyncio.Protocol):
         self.calls: dict[int, RemoteCall] = {}
 
     def start(self, call: RemoteCall, request: list[Any]) -> None:
+        message = frame([START, call.id, *request])  # raises before the call is counted if it cannot go
         self.calls[call.id] = call
-        self._send([START, call.id, *request])
+        self._write(message)
 
     def forget(self, call: RemoteCall) -> None:
         if self.calls.pop(call.id, None) is not None:
-            self._send([CLOSE, call.id])
+            self._write(frame([CLOSE, call.id]))
 
-    def _send(self, command: list[Any]) -> None:
+    def _write(self, message: bytes) -> None:
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(frame(command))
+            self._transport.write(message)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -148,21 +157,28 @@ class _ReaderLink(asyncio.Protocol):
                 call = calls.get(entry[1])
                 if call is None or call.done.done():
                     continue  # closed here meanwhile: what the reader sent before it knew is dropped
-                kind = entry[0]
-                if kind == EVENT:
-                    call.last_event_at = call._heard.last_event_at = now
-                    call._on_event(entry[2], entry[3], entry[4], entry[5], entry[6])
-                elif kind == LOGPROBS and call._on_logprobs is not None:
-                    call._on_logprobs(entry[2], [tuple(tuple(pair) for pair in at) for at in entry[3]])
-                elif kind == DONE:
-                    del calls[call.id]
-                    call.done.set_result(None)
-                elif kind == ENDED:
-                    del calls[call.id]
-                    error, message, connection_lost = ERRORS[entry[2]], entry[3], entry[4]
-                    call.done.set_exception(
-                        error(message) if error is WorkerRejected else error(message, connection_lost=connection_lost)
-                    )
+                try:
+                    self._apply(call, entry, now)
+                except Exception as exc:  # an entry not in shape, or a bug of ours: its call alone fails
+                    log.error("reader.bad_entry", error=f"{type(exc).__name__}: {exc}")
+                    call.fail(ReaderLost(f"the agent could not take its reader's event: {type(exc).__name__}"))
+
+    def _apply(self, call: RemoteCall, entry: list[Any], now: float) -> None:
+        kind = entry[0]
+        if kind == EVENT:
+            call.last_event_at = call._heard.last_event_at = now
+            call._on_event(entry[2], entry[3], entry[4], entry[5], entry[6])
+        elif kind == LOGPROBS and call._on_logprobs is not None:
+            call._on_logprobs(entry[2], [tuple(tuple(pair) for pair in at) for at in entry[3]])
+        elif kind == DONE:
+            del self.calls[call.id]
+            call.done.set_result(None)
+        elif kind == ENDED:
+            del self.calls[call.id]
+            error, message, connection_lost = ERRORS[entry[2]], entry[3], entry[4]
+            call.done.set_exception(
+                error(message) if error is WorkerRejected else error(message, connection_lost=connection_lost)
+            )
 
     def connection_lost(self, exc: Exception | None) -> None:
         calls, self.calls = self.calls, {}
@@ -189,7 +205,10 @@ class ReaderPool:
             await self._spawn()
 
     async def _spawn(self) -> None:
+        """A reader on a new socket pair. It exits when its end reads EOF: when the agent closes
+        the pair or dies (the kernel closes the agent's end then)."""
         mine, theirs = socket.socketpair()
+        proc: asyncio.subprocess.Process | None = None
         try:
             proc = await asyncio.create_subprocess_exec(
                 *(sys.executable, "-m", READER_MODULE, "--fd", str(theirs.fileno())),
@@ -197,11 +216,15 @@ class ReaderPool:
                 pass_fds=(theirs.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
-                preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
+            _, link = await asyncio.get_running_loop().create_connection(lambda: _ReaderLink(self._lost), sock=mine)
+        except BaseException:
+            mine.close()
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+            raise
         finally:
             theirs.close()
-        _, link = await asyncio.get_running_loop().create_connection(lambda: _ReaderLink(self._lost), sock=mine)
         self._links.append(link)
         self._procs[link] = proc
         self._spawned.set()
@@ -209,9 +232,10 @@ class ReaderPool:
         log.info("reader.started", pid=proc.pid)
 
     def _lost(self, link: _ReaderLink) -> None:
-        self._links.remove(link)
-        proc = self._procs.pop(link)
-        if self._closed:
+        if link in self._links:
+            self._links.remove(link)
+        proc = self._procs.pop(link, None)
+        if self._closed or proc is None:
             return
         log.warning("reader.lost", pid=proc.pid, exit_code=proc.returncode)
         restart = asyncio.ensure_future(self._respawn(proc))
@@ -219,10 +243,18 @@ class ReaderPool:
         restart.add_done_callback(self._restarting.discard)
 
     async def _respawn(self, dead: asyncio.subprocess.Process) -> None:
+        """Start a reader in the dead one's place, trying again (less and less often) while it
+        cannot be started: out of processes or descriptors for a while."""
         await dead.wait()
-        await asyncio.sleep(RESTART_DELAY_S)
-        if not self._closed:
-            await self._spawn()
+        delay = RESTART_DELAY_S
+        while not self._closed:
+            await asyncio.sleep(delay)
+            try:
+                await self._spawn()
+                return
+            except OSError as exc:
+                log.error("reader.restart_failed", error=str(exc), retry_in_s=delay * 2)
+                delay = min(delay * 2, RESTART_MAX_DELAY_S)
 
     async def start(
         self,
@@ -248,13 +280,18 @@ class ReaderPool:
         link = min(self._links, key=lambda candidate: len(candidate.calls))
         self._next_id += 1
         call = RemoteCall(link, self._next_id, on_event, on_logprobs, heard)
-        link.start(call, [url, payload, incremental, on_logprobs is not None, connect_timeout_s, list(headers)])
+        try:
+            link.start(call, [url, payload, incremental, on_logprobs is not None, connect_timeout_s, list(headers)])
+        except (TypeError, ValueError, OverflowError) as exc:  # msgpack cannot carry it (an int past 64 bits)
+            raise WorkerRejected(f"the request cannot be passed to a reader: {exc}") from None
         return call
 
     async def close(self) -> None:
         self._closed = True
         for task in self._restarting:
             task.cancel()
+        for link in self._links:
+            link.close()  # each reader reads EOF and exits
         await asyncio.gather(*(_stop(proc) for proc in self._procs.values()), *self._restarting, return_exceptions=True)
 
 
