@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,15 @@ from core.errors import SiteWorkerFailed, UpstreamFailed
 from core.processes import Child, free_port_block, start_python
 from federation.gateway.upstream import SiteStream, Upstream
 from nodes.agent import worker_stream
-from nodes.agent.readers import MAX_MESSAGE_BYTES, READER_MODULE, Frames, ReaderLost, ReaderPool, frame
+from nodes.agent.readers import (
+    MAX_MESSAGE_BYTES,
+    READER_MODULE,
+    SILENT_S,
+    Frames,
+    ReaderLost,
+    ReaderPool,
+    frame,
+)
 from nodes.agent.sglang import WorkerFailed
 from nodes.emulator.launch import EmulatorProcess, launch
 from tests.conftest import until
@@ -52,8 +61,9 @@ def _agent(urls: list[str], readers: int, log: IO[str] | None = None) -> tuple[C
     return start_python("agent", "nodes.agent", args, log=log), port, metrics
 
 
-def _readers_of(agent: Child) -> list[psutil.Process]:
-    return [p for p in psutil.Process(agent.pid).children() if READER_MODULE in " ".join(p.cmdline())]
+def _readers_of(pid: int) -> list[psutil.Process]:
+    """The reader processes `pid` started."""
+    return [p for p in psutil.Process(pid).children() if READER_MODULE in " ".join(p.cmdline())]
 
 
 @dataclass
@@ -117,7 +127,7 @@ async def test_readers_relay_exactly_what_the_agent_relays_itself(workers: Emula
     for readers in (0, 2):
         agent, port, _ = _agent(workers.urls, readers)
         try:
-            assert len(_readers_of(agent)) == readers
+            assert len(_readers_of(agent.pid)) == readers
             upstream = Upstream()
             results = await asyncio.gather(*(_generate(upstream, port, i, 300) for i in range(24)))
             await upstream.close()
@@ -146,7 +156,7 @@ async def test_a_reader_that_dies_fails_only_its_streams_and_comes_back(
                 for i in range(16)
             ]
             await asyncio.wait_for(started.wait(), 20)
-            victim = _readers_of(agent)[0]
+            victim = _readers_of(agent.pid)[0]
             os.kill(victim.pid, signal.SIGKILL)
             results = await asyncio.gather(*answers)
             failed = [a for a in results if a.failed]
@@ -160,10 +170,10 @@ async def test_a_reader_that_dies_fails_only_its_streams_and_comes_back(
             assert await _running(http, workers.urls) == 0  # nothing left generating for nobody
 
             async def two_readers() -> bool:
-                return len(_readers_of(agent)) == 2
+                return len(_readers_of(agent.pid)) == 2
 
             await until(two_readers, 10)
-            assert victim.pid not in {p.pid for p in _readers_of(agent)}
+            assert victim.pid not in {p.pid for p in _readers_of(agent.pid)}
             again = await asyncio.gather(*(_generate(upstream, port, i, 200) for i in range(8)))
             assert all(a.completion == 200 and not a.failed for a in again)
     finally:
@@ -252,13 +262,14 @@ def test_messages_between_the_agent_and_a_reader_are_framed_and_bounded() -> Non
 
 async def _fake_worker() -> tuple[web.AppRunner, str]:
     """A /generate that streams SGLang's events: three tokens and [DONE]; for rid "huge", a
-    finish reason msgpack cannot carry (an int past 64 bits), which JSON can."""
+    finish reason msgpack cannot carry (an int past 64 bits), which JSON can; for rid "slow",
+    a minute of tokens."""
 
     async def generate(request: web.Request) -> web.StreamResponse:
         rid = (await request.json())["rid"]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for n in (1, 2, 3):
+        for n in range(1, 1200 if rid == "slow" else 4):
             finish = {"type": "stop", "matched": 2**70} if rid == "huge" and n == 3 else None
             meta = {"id": rid, "finish_reason": finish, "completion_tokens": n, "prompt_tokens": 4}
             event = {"text": f" t{n}", "output_ids": [100 + n], "meta_info": meta}
@@ -324,6 +335,50 @@ async def test_an_event_that_cannot_be_carried_or_taken_fails_its_own_call_alone
             connect_timeout_s=5,
         )
         await asyncio.wait_for(again.done, 10)  # the same reader serves on
+    finally:
+        await pool.close()
+        await runner.cleanup()
+
+
+@pytest.mark.timeout(60)
+async def test_a_hung_reader_is_killed_and_replaced() -> None:
+    """A reader stopped (SIGSTOP) while it holds a stream says nothing more: within SILENT_S and a
+    beat the agent's side kills it, the stream fails as the reader's loss (not its worker's), and a
+    new reader is started."""
+    runner, url = await _fake_worker()
+    pool = ReaderPool(1)
+    await pool.open()
+    try:
+        events: list[int] = []
+
+        class Heard:
+            last_event_at = 0.0
+
+        call = await pool.start(
+            url,
+            {"rid": "slow", "input_ids": [1]},
+            incremental=True,
+            on_event=lambda text, ids, completion, prompt, finish: events.append(completion),
+            heard=Heard(),
+            connect_timeout_s=5,
+        )
+
+        async def streaming() -> bool:
+            return len(events) >= 3
+
+        await until(streaming, 10)
+        (hung,) = _readers_of(os.getpid())
+        os.kill(hung.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        with pytest.raises(ReaderLost):
+            await asyncio.wait_for(call.done, SILENT_S + 10)
+        assert SILENT_S <= time.monotonic() - stopped_at < SILENT_S + 5
+
+        async def replaced() -> bool:
+            return [p.pid for p in _readers_of(os.getpid())] not in ([], [hung.pid])
+
+        await until(replaced, 10)
+        assert not hung.is_running() or hung.status() == psutil.STATUS_ZOMBIE
     finally:
         await pool.close()
         await runner.cleanup()

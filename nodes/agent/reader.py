@@ -25,6 +25,7 @@ import structlog
 from core import runtime
 from nodes.agent import worker_stream
 from nodes.agent.readers import (
+    BEAT_S,
     CLOSE,
     DONE,
     ENDED,
@@ -73,6 +74,13 @@ class AgentLink(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self._transport.set_write_buffer_limits(high=HIGH_WATER_BYTES)
+        self._beat()
+
+    def _beat(self) -> None:
+        """An empty message every BEAT_S: the agent takes a silent reader for a hung one."""
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(frame([]))
+            asyncio.get_running_loop().call_later(BEAT_S, self._beat)
 
     def data_received(self, data: bytes) -> None:
         try:

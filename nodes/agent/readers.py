@@ -44,6 +44,8 @@ START, CLOSE = 0, 1
 EVENT, LOGPROBS, DONE, ENDED = 0, 1, 2, 3
 RESTART_DELAY_S = 0.5  # a reader that died is started again after this (a crash loop stays slow)
 RESTART_MAX_DELAY_S = 30.0  # and, while it cannot be started, again at most this far apart
+BEAT_S = 1.0  # a reader writes at least this often, events or not
+SILENT_S = 10.0  # a reader silent this long is hung (stopped, or stuck in a loop): it is killed
 STOP_TIMEOUT_S = 10.0
 
 encode = msgspec.msgpack.Encoder().encode
@@ -121,6 +123,7 @@ class _ReaderLink(asyncio.Protocol):
         self._frames = Frames()
         self._transport: asyncio.Transport | None = None
         self.calls: dict[int, RemoteCall] = {}
+        self.last_heard = time.monotonic()
 
     def start(self, call: RemoteCall, request: list[Any]) -> None:
         message = frame([START, call.id, *request])  # raises before the call is counted if it cannot go
@@ -150,7 +153,7 @@ class _ReaderLink(asyncio.Protocol):
             assert self._transport is not None
             self._transport.abort()  # connection_lost fails its calls
             return
-        now = time.monotonic()
+        now = self.last_heard = time.monotonic()
         calls = self.calls
         for batch in batches:
             for entry in batch:
@@ -199,10 +202,26 @@ class ReaderPool:
         self._spawned = asyncio.Event()  # set and cleared at each start: wakes whoever waits for one
         self._next_id = 0
         self._closed = False
+        self._watcher: asyncio.Future[None] | None = None
 
     async def open(self) -> None:
         for _ in range(self._count):
             await self._spawn()
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        """Kill a reader silent for SILENT_S (each writes every BEAT_S): a hung one would hold its
+        streams until their deadlines blamed their workers, and draw new ones as the least busy."""
+        while True:
+            due = time.monotonic() + BEAT_S
+            await asyncio.sleep(BEAT_S)
+            now = time.monotonic()
+            if now - due > BEAT_S:  # this loop was stalled itself: the readers' beats may wait unread
+                continue
+            for link, proc in list(self._procs.items()):
+                if now - link.last_heard > SILENT_S and proc.returncode is None:
+                    log.error("reader.hung", pid=proc.pid, silent_s=round(now - link.last_heard, 1))
+                    proc.kill()  # its link closes: its streams fail over, and it is started again
 
     async def _spawn(self) -> None:
         """A reader on a new socket pair. It exits when its end reads EOF: when the agent closes
@@ -288,11 +307,14 @@ class ReaderPool:
 
     async def close(self) -> None:
         self._closed = True
-        for task in self._restarting:
+        for task in (*self._restarting, *([self._watcher] if self._watcher else [])):
             task.cancel()
         for link in self._links:
             link.close()  # each reader reads EOF and exits
-        await asyncio.gather(*(_stop(proc) for proc in self._procs.values()), *self._restarting, return_exceptions=True)
+        stopping = [_stop(proc) for proc in self._procs.values()]
+        await asyncio.gather(
+            *stopping, *self._restarting, *([self._watcher] if self._watcher else []), return_exceptions=True
+        )
 
 
 async def _stop(proc: asyncio.subprocess.Process) -> None:
