@@ -184,7 +184,7 @@ class _Site(_Section):
     agent_port: _PORT
     worker_port: _PORT | None = None  # first port of the emulated workers; None: any free block
     metrics_port: _PORT | None = None
-    readers: Annotated[int, Strict(), Field(ge=0, le=64)] = 0  # the agent's --readers
+    readers: Annotated[int, Strict(), Field(ge=0, le=64)] = 0  # the agent's --readers (its MAX_READERS)
 
     @pydantic.model_validator(mode="after")
     def _ports(self) -> _Site:

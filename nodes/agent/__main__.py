@@ -41,7 +41,7 @@ from nodes.agent import calibrate
 from nodes.agent.join import JoinGate
 from nodes.agent.launcher import Launcher
 from nodes.agent.pool import WorkerPool
-from nodes.agent.readers import ReaderPool
+from nodes.agent.readers import MAX_READERS, ReaderPool
 from nodes.agent.reporter import ReportFeed
 from nodes.agent.service import SiteAgentService
 from nodes.emulator import __main__ as emulator_main
@@ -148,6 +148,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.tls = mtls.from_arguments(p, args, Identity(Role.SITE, args.site))
     if args.gpus < 1:
         p.error("--gpus must be >= 1")
+    if args.readers > MAX_READERS:
+        p.error(f"--readers must be <= {MAX_READERS}")
     if args.first_gpu and not args.launch:
         p.error("--first-gpu needs --launch (other workers are the ones given or emulated)")
     try:

@@ -7,7 +7,7 @@ Python process runs on one core. A site of more than ~4 MI355X makes more events
 reads. With reader processes, each holds a share of the worker calls (`nodes/agent/reader.py`)
 and hands the events each turn of its loop gathered to the agent as one message, over a socket
 pair that only the two processes hold. The agent keeps everything else (the slots, the ledger,
-the relay, the deadlines), and pays per event only a decoded tuple and the relay's own work.
+the relay, the deadlines), and pays per event only a decoded list and the relay's own work.
 
 `ReaderPool.start` stands in for `worker_stream.start`, and its `RemoteCall` for `WorkerCall`:
 the service does not know which one it holds. A reader that dies fails its calls with
@@ -35,6 +35,7 @@ from nodes.agent.worker_stream import Heard, OnEvent, OnLogprobs
 log = structlog.get_logger("agent.readers")
 
 READER_MODULE = "nodes.agent.reader"  # what a reader process runs (`python -m`)
+MAX_READERS = 64  # more than a host has cores to give them
 # One message between the agent and a reader: a length, then msgpack.
 LENGTH = struct.Struct(">I")
 MAX_MESSAGE_BYTES = 64 * 1024**2  # a turn's events from thousands of streams are a few hundred KB
@@ -148,7 +149,7 @@ class _ReaderLink(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             batches = self._frames.feed(data)
-        except (ValueError, msgspec.DecodeError) as exc:
+        except ValueError as exc:  # msgspec's DecodeError is one
             log.error("reader.garbled", error=str(exc))
             assert self._transport is not None
             self._transport.abort()  # connection_lost fails its calls
@@ -187,7 +188,9 @@ class _ReaderLink(asyncio.Protocol):
         calls, self.calls = self.calls, {}
         for call in calls.values():
             if not call.done.done():
-                call.done.set_exception(ReaderLost("the agent's reader process died", connection_lost=True))
+                call.done.set_exception(
+                    ReaderLost("the agent lost the reader process that held it", connection_lost=True)
+                )
         self._on_lost(self)
 
 
