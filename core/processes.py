@@ -30,10 +30,26 @@ class StartFailed(RuntimeError):
     pass
 
 
+# Where free ports are picked: "LOW-HIGH", below the usual ephemeral range by default. Processes
+# that pick ports side by side (the test suite's workers) each take a range of their own, and the
+# processes they start inherit it, so that two of them cannot pick the same port at once.
+PORT_RANGE_ENV = "FEDERATION_PORT_RANGE"
+DEFAULT_PORT_RANGE = (20_000, 32_000)
+
+
+def port_range() -> tuple[int, int]:
+    """The range free ports are picked from (PORT_RANGE_ENV, else DEFAULT_PORT_RANGE)."""
+    low, _, high = os.environ.get(PORT_RANGE_ENV, "").partition("-")
+    if low.isdigit() and high.isdigit() and 1024 <= int(low) < int(high) <= 65535:
+        return int(low), int(high)
+    return DEFAULT_PORT_RANGE
+
+
 def free_port_block(count: int, host: str = "127.0.0.1") -> int:
     """A first port P such that P..P+count-1 are all free on `host` right now."""
+    low, high = port_range()
     for _ in range(200):
-        base = random.randint(20_000, 32_000 - count)  # below the usual ephemeral range
+        base = random.randint(low, high - count)
         socks = []
         try:
             for port in range(base, base + count):

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from core.config import load
-from core.processes import PROJECT_ROOT
+from core.processes import DEFAULT_PORT_RANGE, PORT_RANGE_ENV, PROJECT_ROOT
 from federation.embedded import Federation
 from nodes.emulator.launch import EmulatorProcess as Emulator
 from nodes.emulator.launch import launch
@@ -31,6 +31,16 @@ from tests.test_federation import _config
 # processes take Ctrl-C as an operator's terminal delivers it, however the suite was started.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# pytest-xdist's workers pick free ports side by side: each picks from its own slice of the range
+# (and so do the processes its tests start), or two could take the same port between one's pick
+# and its bind (CI saw an agent's metrics port taken so).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _worker = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _low, _high = DEFAULT_PORT_RANGE
+    _slice = (_high - _low) // _workers
+    os.environ[PORT_RANGE_ENV] = f"{_low + _worker * _slice}-{_low + (_worker + 1) * _slice}"
 
 SITES = [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")]
 FAST = "20"  # emulated GPUs 20x faster than real ones: tests finish in seconds
