@@ -66,6 +66,12 @@ def _readers_of(pid: int) -> list[psutil.Process]:
     return [p for p in psutil.Process(pid).children() if READER_MODULE in " ".join(p.cmdline())]
 
 
+class _Heard:
+    """A worker's `heard`, for calls started here rather than by an agent's pool."""
+
+    last_event_at = 0.0
+
+
 @dataclass
 class Answer:
     text: list[str] = field(default_factory=list)
@@ -214,9 +220,6 @@ async def test_a_paused_worker_call_reads_nothing_until_resumed(workers: Emulato
     wait in the kernel), and read on when resumed."""
     events: list[int] = []
 
-    class Heard:
-        last_event_at = 0.0
-
     call = await worker_stream.start(
         workers.urls[0],
         {
@@ -226,7 +229,7 @@ async def test_a_paused_worker_call_reads_nothing_until_resumed(workers: Emulato
         },
         incremental=True,
         on_event=lambda text, ids, completion, prompt, finish: events.append(completion),
-        heard=Heard(),
+        heard=_Heard(),
         connect_timeout_s=5,
     )
     try:
@@ -298,9 +301,6 @@ async def test_an_event_that_cannot_be_carried_or_taken_fails_its_own_call_alone
     try:
         got: dict[str, list[int]] = {"huge": [], "sink": [], "plain": []}
 
-        class Heard:
-            last_event_at = 0.0
-
         def sink(rid: str):
             def on_event(text: str, ids: list[int], completion: int, prompt: int, finish: object) -> None:
                 if rid == "sink":
@@ -315,7 +315,7 @@ async def test_an_event_that_cannot_be_carried_or_taken_fails_its_own_call_alone
                 {"rid": rid, "input_ids": [1]},
                 incremental=True,
                 on_event=sink(rid),
-                heard=Heard(),
+                heard=_Heard(),
                 connect_timeout_s=5,
             )
             for rid in got
@@ -331,7 +331,7 @@ async def test_an_event_that_cannot_be_carried_or_taken_fails_its_own_call_alone
             {"rid": "after", "input_ids": [1]},
             incremental=True,
             on_event=lambda *_: None,
-            heard=Heard(),
+            heard=_Heard(),
             connect_timeout_s=5,
         )
         await asyncio.wait_for(again.done, 10)  # the same reader serves on
@@ -351,15 +351,12 @@ async def test_a_hung_reader_is_killed_and_replaced() -> None:
     try:
         events: list[int] = []
 
-        class Heard:
-            last_event_at = 0.0
-
         call = await pool.start(
             url,
             {"rid": "slow", "input_ids": [1]},
             incremental=True,
             on_event=lambda text, ids, completion, prompt, finish: events.append(completion),
-            heard=Heard(),
+            heard=_Heard(),
             connect_timeout_s=5,
         )
 

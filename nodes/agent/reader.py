@@ -175,8 +175,7 @@ class AgentLink(asyncio.Protocol):
         self._send([LOGPROBS, call_id, chosen, top])
 
     def _ended(self, call_id: int, exc: WorkerFailed | WorkerRejected) -> None:
-        code = next(i for i, kind in enumerate(ERRORS) if isinstance(exc, kind))  # the subclass first
-        self._send([ENDED, call_id, code, str(exc), getattr(exc, "connection_lost", False)])
+        self._send(_ended_entry(call_id, exc))
 
     def _send(self, entry: list[Any]) -> None:
         """Into this turn's message, written once the turn's callbacks are done."""
@@ -209,9 +208,18 @@ class AgentLink(asyncio.Protocol):
                 call_id = entry[1]
                 log.warning("reader.unsendable_event", error=str(exc))
                 self._close(call_id)
-                entry = [ENDED, call_id, ERRORS.index(WorkerFailed), f"an event the agent cannot carry: {exc}", True]
+                entry = _ended_entry(
+                    call_id, WorkerFailed(f"an event the agent cannot carry: {exc}", connection_lost=True)
+                )
             kept.append(entry)
         return kept
+
+
+def _ended_entry(call_id: int, exc: WorkerFailed | WorkerRejected) -> list[Any]:
+    """The ENDED entry that tells the agent how a call ended: the error's code, its message, and
+    whether its connection is gone (so the worker dropped the request)."""
+    code = next(i for i, kind in enumerate(ERRORS) if isinstance(exc, kind))  # the subclass first
+    return [ENDED, call_id, code, str(exc), getattr(exc, "connection_lost", False)]
 
 
 async def serve(args: argparse.Namespace) -> int:

@@ -201,16 +201,15 @@ class ReaderPool:
         self._count = count
         self._links: list[_ReaderLink] = []
         self._procs: dict[_ReaderLink, asyncio.subprocess.Process] = {}
-        self._restarting: set[asyncio.Future[None]] = set()
+        self._tasks: set[asyncio.Future[None]] = set()  # its watcher, and the restarts under way
         self._spawned = asyncio.Event()  # set and cleared at each start: wakes whoever waits for one
         self._next_id = 0
         self._closed = False
-        self._watcher: asyncio.Future[None] | None = None
 
     async def open(self) -> None:
         for _ in range(self._count):
             await self._spawn()
-        self._watcher = asyncio.ensure_future(self._watch())
+        self._keep(asyncio.ensure_future(self._watch()))
 
     async def _watch(self) -> None:
         """Kill a reader silent for SILENT_S (each writes every BEAT_S): a hung one would hold its
@@ -260,9 +259,11 @@ class ReaderPool:
         if self._closed or proc is None:
             return
         log.warning("reader.lost", pid=proc.pid, exit_code=proc.returncode)
-        restart = asyncio.ensure_future(self._respawn(proc))
-        self._restarting.add(restart)
-        restart.add_done_callback(self._restarting.discard)
+        self._keep(asyncio.ensure_future(self._respawn(proc)))
+
+    def _keep(self, task: asyncio.Future[None]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _respawn(self, dead: asyncio.subprocess.Process) -> None:
         """Start a reader in the dead one's place, trying again (less and less often) while it
@@ -310,14 +311,12 @@ class ReaderPool:
 
     async def close(self) -> None:
         self._closed = True
-        for task in (*self._restarting, *([self._watcher] if self._watcher else [])):
+        tasks = list(self._tasks)  # each leaves the set as it ends
+        for task in tasks:
             task.cancel()
         for link in self._links:
             link.close()  # each reader reads EOF and exits
-        stopping = [_stop(proc) for proc in self._procs.values()]
-        await asyncio.gather(
-            *stopping, *self._restarting, *([self._watcher] if self._watcher else []), return_exceptions=True
-        )
+        await asyncio.gather(*(_stop(proc) for proc in self._procs.values()), *tasks, return_exceptions=True)
 
 
 async def _stop(proc: asyncio.subprocess.Process) -> None:
