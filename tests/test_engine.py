@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from core.gpus import PROFILES, GpuProfile
-from nodes.emulator.engine import Engine, Sequence, _Segment
+from nodes.emulator.engine import Engine, Sequence, StepShape, Stretch
 from nodes.emulator.wakeups import StepWakeups
 
 
@@ -35,7 +35,7 @@ def _seq(prompt: int, out: int, now: float) -> Sequence:
 
 def test_segment_step_counts_match_durations() -> None:
     """completed(t) is the largest k whose k steps fit in t, for growing step times."""
-    seg = _Segment(t0=10.0, s0=0.02, d=0.0003, k_max=500, prefill_tokens=0)
+    seg = Stretch(t0=10.0, s0=0.02, d=0.0003, k_max=500, shape=StepShape(batch=1, context_tokens=100))
     rng = random.Random(1)
     for _ in range(2000):
         t = 10.0 + rng.uniform(-1, 30)

@@ -21,6 +21,10 @@ point" into the global step that produces it, and the engine keeps those callbac
 with a single timer at the completion of the earliest step that ends inside the current
 stretch (the stretch's own end releases the rest). A full batch streaming per token thus
 costs one timer per step, not one per stream per step.
+
+Each stretch carries its `StepShape` (batch, context, prompt chunk, queue), and the listener
+gets every stretch as it ends: that is all SGLang's own accounting of its work needs
+(`nodes/emulator/reporter.py`), at O(1) per stretch rather than per step.
 """
 
 from __future__ import annotations
@@ -104,16 +108,32 @@ class EngineListener(Protocol):
 
     def on_finish(self, seq: Sequence) -> None: ...
 
+    def on_stretch(self, stretch: Stretch) -> None:
+        """A stretch has run all its `k_max` steps (called before their effects are applied)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What every step of a stretch does, in the terms SGLang's scheduler reports it in."""
+
+    batch: int  # sequences decoding in the step: SGLang's running batch when it scheduled the step
+    context_tokens: int  # their ΣL in the stretch's first step; each step adds `batch`
+    prefill_tokens: int = 0  # the prompt chunk the step also prefills (0: a decode-only step)
+    reprocessed_tokens: int = 0  # of that chunk, tokens of retracted requests prefilled again
+    prefill_kv_tokens: int = 0  # KV held before the step by prompts partly prefilled
+    queued: int = 0  # requests in SGLang's waiting queue meanwhile: not admitted, or no chunk yet
+    retracted: int = 0  # running requests sent back to the queue to make room for the stretch
+
 
 @dataclass(slots=True)
-class _Segment:
-    """A stretch of steps with an unchanging batch: step k (0-based) lasts `s0 + d·k`."""
+class Stretch:
+    """Steps with an unchanging batch: step k (0-based) lasts `s0 + d·k`."""
 
     t0: float
     s0: float
     d: float
     k_max: int
-    prefill_tokens: int
+    shape: StepShape
 
     def duration(self, k: int) -> float:
         return k * self.s0 + self.d * k * (k - 1) / 2.0
@@ -165,14 +185,14 @@ class Engine:
         self._finish_heap: list[tuple[int, int, Sequence]] = []
         self._heap_tiebreak = 0
         self.steps = 0  # global steps completed at `self.boundary_t`
-        self.boundary_t = self._loop.time()
+        self.boundary_t = self.started_at = self._loop.time()
         self._join_sum = 0  # Σ join_step over running
         self._len_base_sum = 0  # Σ (prompt + generated) at join, over running
         self._prefill_kv = 0  # KV held by prompts being prefilled
         self._reserved = 0  # KV reserved for future output of admitted sequences
         self._emitted = 0  # tokens banked by sequences no longer counted in running
         self._new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self._segment: _Segment | None = None
+        self._segment: Stretch | None = None
         self._event_t = math.inf
         self._waker: asyncio.Future[bool] | None = None
         self._aborted: list[Sequence] = []
@@ -249,6 +269,18 @@ class Engine:
     def steps_done(self) -> int:
         """Forward steps this GPU has completed so far (each decodes every running sequence)."""
         return self.steps_at(self._loop.time())
+
+    def now(self) -> float:
+        """The engine's clock (its event loop's)."""
+        return self._loop.time()
+
+    def stretch_in_progress(self, now: float) -> tuple[Stretch, int] | None:
+        """The stretch being run and how many of its steps have completed by `now`; None while
+        idle. Stretches that ended were given to the listener (`on_stretch`)."""
+        seg = self._segment
+        if seg is None:
+            return None
+        return seg, min(max(self.steps_at(now) - self.steps, 0), seg.k_max)
 
     def emitted_tokens_total(self) -> int:
         """All output tokens this GPU has produced so far."""
@@ -383,28 +415,41 @@ class Engine:
 
     # ---- planning a stretch of steps -------------------------------------------
 
-    def _plan(self) -> _Segment | None:
-        self._drop_aborted()
-        self._admit()
-        batch = len(self.running)
-        if batch == 0 and not self.prefilling:
-            return None
-        prefill = self._next_prefill_chunk()
-        context = self._running_context(self.steps)
+    def _plan(self) -> Stretch | None:
+        retracted = 0
+        while True:
+            self._drop_aborted()
+            self._admit()
+            batch = len(self.running)
+            if batch == 0 and not self.prefilling:
+                return None
+            prefill, touched, reprocessed = self._next_prefill_chunk()
+            context = self._running_context(self.steps)
+            free = self.kv_capacity_tokens - (context + self._prefill_kv)
+            if batch and free < batch + prefill:
+                self._retract_one()
+                retracted += 1
+                continue
+            break
+        shape = StepShape(
+            batch=batch,
+            context_tokens=context,
+            prefill_tokens=prefill,
+            reprocessed_tokens=reprocessed,
+            prefill_kv_tokens=self._prefill_kv,
+            queued=len(self.waiting) + len(self.prefilling) - touched,
+            retracted=retracted,
+        )
         scale = self.slowdown / (1000.0 * self.speed)
-        free = self.kv_capacity_tokens - (context + self._prefill_kv)
-        if batch and free < batch + prefill:
-            self._retract_one()
-            return self._plan()
         s0 = self.profile.step_ms(batch, context, prefill) * scale
         if prefill:
-            return _Segment(self.boundary_t, s0, 0.0, 1, prefill)
+            return Stretch(self.boundary_t, s0, 0.0, 1, shape)
         while not self._is_live(self._finish_heap[0]):
             heapq.heappop(self._finish_heap)
         k_finish = self._finish_heap[0][0] - self.steps
         k_kv = free // batch
         d = self.profile.kappa_ms * batch / 1000.0 * scale
-        return _Segment(self.boundary_t, s0, d, max(1, min(k_finish, k_kv)), 0)
+        return Stretch(self.boundary_t, s0, d, max(1, min(k_finish, k_kv)), shape)
 
     def _admit(self) -> None:
         """FCFS admission under the running-request limit and the KV pool."""
@@ -430,15 +475,20 @@ class Engine:
                 seq.admitted_at = self.boundary_t
             self.prefilling.append(seq)
 
-    def _next_prefill_chunk(self) -> int:
+    def _next_prefill_chunk(self) -> tuple[int, int, int]:
+        """The next step's prompt chunk: its tokens, the requests it reaches (the first may be
+        partly prefilled already) and the tokens among them of retracted requests."""
         budget = self.profile.chunked_prefill_tokens
-        total = 0
+        total = touched = reprocessed = 0
         for seq in self.prefilling:
             take = min(seq.prefill_left, budget - total)
             total += take
+            touched += 1
+            if seq.retractions:
+                reprocessed += take
             if total >= budget:
                 break
-        return total
+        return total, touched, reprocessed
 
     def _retract_one(self) -> None:
         """Out of KV: send back the running sequence with the least output (SGLang's order)."""
@@ -457,14 +507,16 @@ class Engine:
 
     # ---- applying a finished stretch --------------------------------------------
 
-    def _finish_segment(self, seg: _Segment) -> None:
+    def _finish_segment(self, seg: Stretch) -> None:
+        if self._listener is not None:
+            self._listener.on_stretch(seg)
         self.steps += seg.k_max
         self._clock = (math.nan, 0)
         self.boundary_t = seg.end()
         decay = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / NEW_TOKEN_RATIO_DECAY_STEPS
         self._new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self._new_token_ratio - decay * seg.k_max)
-        if seg.prefill_tokens:
-            self._consume_prefill(seg.prefill_tokens)
+        if seg.shape.prefill_tokens:
+            self._consume_prefill(seg.shape.prefill_tokens)
         while self._finish_heap and self._finish_heap[0][0] <= self.steps:
             entry = heapq.heappop(self._finish_heap)
             if self._is_live(entry):

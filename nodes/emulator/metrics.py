@@ -1,15 +1,19 @@
-"""SGLang's Prometheus metrics for one emulated GPU, read from the engine's true state.
+"""SGLang's Prometheus metrics for one emulated GPU, as SGLang 0.5.23 with --enable-metrics
+exports them.
 
-Gauges are computed at scrape time from the engine, so they are exact. Histograms
-are filled at request milestones; inter-token latency is observed once per finished
-request with a weight of `tokens - 1` (the mean gap), which keeps the cost per
-request rather than per token while giving the same sum and count SGLang would.
+The scheduler's counters and gauges (its accounting of its work, and the load it last logged)
+follow SGLang's own cadence, replayed over the engine's stretches of steps: see
+`nodes/emulator/reporter.py` for what each one counts, when it moves, and how the mixed
+prefill-and-decode step maps onto them. Gauges are therefore held between SGLang's log points,
+not read at scrape time. The request histograms and counters (the tokenizer's) are filled at
+request milestones; inter-token latency is observed once per finished request with a weight of
+`tokens - 1` (the mean gap), which keeps the cost per request rather than per token while
+giving the same sum and count SGLang would.
 """
 
 from __future__ import annotations
 
 import bisect
-import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
@@ -21,7 +25,8 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
-from nodes.emulator.engine import Engine, Sequence
+from nodes.emulator.engine import Engine, Sequence, Stretch
+from nodes.emulator.reporter import Reporter, ReportState
 
 # SGLang 0.5.23's bucket boundaries (seconds) for its latency histograms.
 TTFT_BUCKETS_S = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
@@ -116,7 +121,6 @@ QUEUE_BUCKETS_S = (
     2500,
     3000,
 )
-DECODE_LOG_INTERVAL = 40  # SGLang's --decode-log-interval: gen_throughput is renewed after this many steps
 
 
 class _Histogram:
@@ -160,13 +164,11 @@ class WorkerMetrics:
         self.tokenizer_labels = {"model_name": model_name, "engine_type": "unified"}
         self.scheduler_labels = {**self.tokenizer_labels, "tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
         self.engine: Engine | None = None
+        self.reporter: Reporter | None = None
         self.by_stream = {"true": _PerStream(), "false": _PerStream()}
         self.itl = _Histogram(ITL_BUCKETS_S)
         self.queue = _Histogram(QUEUE_BUCKETS_S)
         self.aborted_requests = 0
-        # (when, steps, tokens emitted) at the last renewal of gen_throughput, and its value.
-        self._throughput_mark: tuple[float, int, int] = (time.monotonic(), 0, 0)
-        self._gen_throughput = 0.0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
 
@@ -193,20 +195,71 @@ class WorkerMetrics:
     def on_abort(self, seq: Sequence) -> None:
         self.aborted_requests += 1
 
+    def on_stretch(self, stretch: Stretch) -> None:
+        assert self.reporter is not None
+        self.reporter.on_stretch(stretch)
+
+    def attach(self, engine: Engine) -> None:
+        """Report on `engine` (whose listener this is) from its start."""
+        self.engine = engine
+        self.reporter = Reporter(engine.started_at, engine.kv_capacity_tokens, engine.max_running_requests)
+
+    def report(self) -> ReportState:
+        """The scheduler's counters and its last logged gauges, as of now."""
+        engine, reporter = self.engine, self.reporter
+        assert engine is not None and reporter is not None
+        now = engine.now()
+        return reporter.view(now, engine.stretch_in_progress(now))
+
     def gen_throughput(self) -> float:
-        """Output tokens/s as SGLang's scheduler sets it: renewed once every DECODE_LOG_INTERVAL
-        steps, over the time since the previous renewal (idle time included), and held in between.
-        Here it is renewed by the first read after the interval's last step: over at least that
-        many steps, tokens and time both counted up to the read."""
-        engine = self.engine
-        assert engine is not None
-        now = time.monotonic()
-        steps, (t0, steps0, n0) = engine.steps_done(), self._throughput_mark
-        if steps - steps0 >= DECODE_LOG_INTERVAL and now > t0:
-            total = engine.emitted_tokens_total()
-            self._gen_throughput = (total - n0) / (now - t0)
-            self._throughput_mark = (now, steps, total)
-        return self._gen_throughput
+        """The gen_throughput gauge: output tokens/s of decode passes, as SGLang last logged it."""
+        return self.report().gen_throughput
+
+    def last_gen_throughput(self) -> float:
+        """SGLang's last computed gen_throughput (its server_info's), which an idle log point
+        does not zero."""
+        return self.report().last_gen_throughput
+
+    @staticmethod
+    def _work_counters(r: ReportState, sched: tuple[list[str], list[str]]) -> Iterator[Metric]:
+        """The scheduler's per-pass counters; a labelled sample appears once SGLang would have
+        created it (the effective-token modes and idle seconds at start, the rest at their first
+        non-zero increment)."""
+
+        def by_mode(name: str, doc: str, values: dict[str, float], seeded: bool) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"sglang:{name}", doc, labels=[*sched[0], "mode"])
+            for mode, value in values.items():
+                if value or seeded:
+                    c.add_metric([*sched[1], mode], value)
+            return c
+
+        yield by_mode(
+            "realtime_tokens",
+            "Tokens processed by forward passes, by mode.",
+            {"prefill_compute": r.prefill_compute_tokens, "prefill_cache": 0, "decode": r.decode_tokens},
+            seeded=False,
+        )
+        yield by_mode(
+            "prefill_effective_tokens",
+            "Prefill tokens less those of retracted requests prefilled again, by cache tier.",
+            {"input": r.effective_input_tokens, "device_hit": 0, "host_hit": 0, "storage_hit": 0},
+            seeded=True,
+        )
+        yield by_mode(
+            "cuda_graph_passes",
+            "Forward passes, by mode and whether they ran in a graph.",
+            {
+                "prefill_none": r.prefill_passes,
+                "decode_cuda_graph": r.decode_graph_passes,
+                "decode_none": r.decode_eager_passes,
+            },
+            seeded=False,
+        )
+        idle = CounterMetricFamily(
+            "sglang:scheduler_idle_seconds", "Wall time with nothing running or queued.", labels=sched[0]
+        )
+        idle.add_metric(sched[1], r.idle_published_s)
+        yield idle
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -241,25 +294,21 @@ class WorkerMetrics:
             m.add_metric(labels[1], h.buckets(), h.total)
             return m
 
-        used = engine.kv_used_tokens()
-        running = engine.running_count
-        yield gauge("num_running_reqs", "The number of running requests.", running)
-        yield gauge("num_queue_reqs", "The number of requests in the waiting queue.", engine.waiting_count)
-        yield gauge("num_used_tokens", "The number of used tokens.", used)
+        r = self.report()
+        capacity = engine.kv_capacity_tokens
+        yield gauge("num_running_reqs", "Requests in the decode batch at the last log point.", r.running)
+        yield gauge("num_queue_reqs", "Requests in the waiting queue at the last log point.", r.queued)
+        yield gauge("num_used_tokens", "KV cache tokens in use at the last log point.", r.used_tokens)
+        yield gauge("max_total_num_tokens", "Tokens the KV cache pool holds.", capacity)
         yield gauge(
-            "max_total_num_tokens",
-            "Maximum total number of tokens in the KV cache pool.",
-            engine.kv_capacity_tokens,
+            "token_usage", "Fraction of the KV cache pool in use at the last log point.", r.used_tokens / capacity
         )
-        yield gauge("token_usage", "The token usage.", used / engine.kv_capacity_tokens)
-        yield gauge("gen_throughput", "The generation throughput (token/s).", self.gen_throughput())
-        yield gauge("cache_hit_rate", "The prefix cache hit rate.", 0.0)
-        yield gauge(
-            "utilization",
-            "Fraction of the running-request limit in use.",
-            running / engine.max_running_requests,
-        )
-        yield gauge("num_retracted_reqs", "The number of retracted requests.", engine.retractions)
+        yield gauge("gen_throughput", "Output tokens/s of decode passes between decode log points.", r.gen_throughput)
+        yield gauge("cache_hit_rate", "Prefix cache hit rate of the last prefill pass.", 0.0)
+        yield gauge("decode_sum_seq_lens", "Sum of the decode batch's sequence lengths.", r.decode_sum_seq_lens)
+        yield gauge("utilization", "Load over the SLO running-request limit (unset in SGLang: 0).", 0.0)
+        yield gauge("num_retracted_reqs", "Requests retracted since the log point before.", r.retracted)
+        yield from self._work_counters(r, sched)
         yield per_stream_counter("prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens")
         yield per_stream_counter("generation_tokens", "Number of generation tokens processed.", "generation_tokens")
         yield per_stream_counter("num_requests", "Number of requests processed.", "requests")

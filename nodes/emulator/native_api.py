@@ -273,7 +273,7 @@ async def handle_server_info(request: web.Request) -> web.Response:
         **args,
         "world_size": 1,
         "effective_max_running_requests_per_dp": worker.engine.max_running_requests,
-        "last_gen_throughput": worker.metrics.gen_throughput(),
+        "last_gen_throughput": worker.metrics.last_gen_throughput(),
         "memory_usage": {"token_capacity": worker.engine.kv_capacity_tokens},
     }
     return json_response(

@@ -114,7 +114,7 @@ class EmulatedWorker:
             listener=self.metrics,
         )
         self.engine.set_slowdown(self.faults.slowdown)
-        self.metrics.engine = self.engine
+        self.metrics.attach(self.engine)
         self.synth = tokens.synthetic_text()
         self.in_flight: dict[str, Generation] = {}
         self._task: asyncio.Task[None] | None = None
