@@ -62,6 +62,7 @@ class SiteRegistration:
     draining: bool = False  # told to drain and not undrained since (a restarted replica learns it)
     checkpoint: str = ""  # what the workers load (SGLang's model_path; "": the served model's own)
     weight_format: str = ""  # mxfp4, fp8, bf16, ... ("": unknown)
+    clock_speed: float = 1.0  # 1: real GPUs; an emulated site's --speed (see the proto)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,39 @@ class Registered:
     site: str
     prior_capacity_tok_s: float
     report_interval_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkDone:
+    """What a site's workers say they did, summed over workers and over the stretches the agent
+    could time (see the proto): cumulative, so a report lost or read late loses nothing."""
+
+    busy_s: float = 0.0  # worker-seconds not idle
+    passes: int = 0  # forward passes
+    decode_seqs: float = 0.0  # sequences decoded, summed over passes
+    context_ktokens: float = 0.0  # thousands of KV tokens those decodes attended to
+    prefill_tokens: int = 0  # prompt tokens computed
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+    def __add__(self, other: WorkDone) -> WorkDone:
+        return WorkDone(*(a + b for a, b in zip(_values(self), _values(other), strict=True)))
+
+    def __sub__(self, other: WorkDone) -> WorkDone:
+        return WorkDone(*(a - b for a, b in zip(_values(self), _values(other), strict=True)))
+
+    def any_negative(self) -> bool:
+        return any(v < 0 for v in _values(self))
+
+
+def _values(work: WorkDone) -> tuple[float, ...]:
+    return (
+        work.busy_s,
+        work.passes,
+        work.decode_seqs,
+        work.context_ktokens,
+        work.prefill_tokens,
+        work.cached_tokens,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +124,10 @@ class SiteReport:
     delivered_tok_s: float = 0.0  # output tokens/s the agent relayed, over recent seconds
     step_age_s: float = 0.0  # how long the step in progress has run at the busy workers (see the proto)
     loading_workers: int = 0  # starting: loading their model, or the join probe still running
+    work: WorkDone = WorkDone()  # the workers' own accounting, cumulative (see the proto)
+    accounting_workers: int = 0  # healthy workers whose /metrics carry it
+    loop_cpu_s: float = 0.0  # the agent's event loop's CPU seconds, cumulative
+    relayed_tokens_total: int = 0  # output tokens the agent relayed, cumulative
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +207,8 @@ class SiteState:
     kv_usage: float = 0.0
     gen_throughput_tok_s: float = 0.0
     context_tokens: int = 0
+    clock_speed: float = 1.0  # as the site registered it; prior_capacity_tok_s is in its time
+    agent_ceiling_tok_s: float = 0.0  # what its agent can relay, while at its CPU ceiling (0: not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +320,7 @@ def registered_to_pb(r: Registered) -> pb.Registered:
 
 
 def report_to_pb(r: SiteReport) -> pb.SiteReport:
-    return pb.SiteReport(**_plain(r))
+    return pb.SiteReport(**{**_plain(r), "work": pb.WorkDone(**_plain(r.work))})
 
 
 def command_to_pb(c: SchedulerCommand) -> pb.SchedulerCommand:
@@ -402,7 +442,8 @@ def registered_from_pb(m: pb.Registered) -> Registered:
 
 def report_from_pb(m: pb.SiteReport) -> SiteReport:
     values = {f.name: getattr(m, f.name) for f in fields(SiteReport)}
-    return SiteReport(**{**values, "received_ids": tuple(m.received_ids)})
+    work = WorkDone(**{f.name: getattr(m.work, f.name) for f in fields(WorkDone)})
+    return SiteReport(**{**values, "received_ids": tuple(m.received_ids), "work": work})
 
 
 def command_from_pb(m: pb.SchedulerCommand) -> SchedulerCommand:

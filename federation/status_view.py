@@ -30,6 +30,8 @@ SITE_COLUMNS = (
     # Added later: at the end, so the columns scripts read by position stay where they were.
     "loading_workers",
     "weight_format",
+    "agent_ceiling_tok_s",
+    "clock_speed",
 )
 
 CLEAR_SCREEN = "\x1b[2J\x1b[H"  # erase the terminal, cursor to its top left: the next frame replaces this one
@@ -56,6 +58,10 @@ def site_rows(state: wire.FederationState) -> list[dict]:
             "outstanding_requests": s.outstanding_requests,
             "queued_requests": s.queued_requests,
             "routed_requests": s.routed_requests,
+            # What the site's agent can relay, while it runs at a whole core and caps the site (0: not).
+            "agent_ceiling_tok_s": round(s.agent_ceiling_tok_s, 1),
+            # The clock the capacities are in: 1 for real GPUs, an emulated site's --speed.
+            "clock_speed": s.clock_speed,
         }
         for s in state.sites
     ]

@@ -43,7 +43,7 @@ STREAM_ERROR_WORKER_FAILED: StreamError
 STREAM_ERROR_SITE_FAILED: StreamError
 
 class SiteRegistration(_message.Message):
-    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "model", "probe_batch", "probe_context_tokens", "probe_tok_s", "tokenizer", "draining", "checkpoint", "weight_format")
+    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "model", "probe_batch", "probe_context_tokens", "probe_tok_s", "tokenizer", "draining", "checkpoint", "weight_format", "clock_speed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class SiteRegistration(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_SPEED_FIELD_NUMBER: _ClassVar[int]
     name: str
     region: str
     gpu: str
@@ -70,7 +71,8 @@ class SiteRegistration(_message.Message):
     draining: bool
     checkpoint: str
     weight_format: str
-    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., model: _Optional[str] = ..., probe_batch: _Optional[float] = ..., probe_context_tokens: _Optional[float] = ..., probe_tok_s: _Optional[float] = ..., tokenizer: _Optional[str] = ..., draining: _Optional[bool] = ..., checkpoint: _Optional[str] = ..., weight_format: _Optional[str] = ...) -> None: ...
+    clock_speed: float
+    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., model: _Optional[str] = ..., probe_batch: _Optional[float] = ..., probe_context_tokens: _Optional[float] = ..., probe_tok_s: _Optional[float] = ..., tokenizer: _Optional[str] = ..., draining: _Optional[bool] = ..., checkpoint: _Optional[str] = ..., weight_format: _Optional[str] = ..., clock_speed: _Optional[float] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("site", "prior_capacity_tok_s", "report_interval_s")
@@ -83,7 +85,7 @@ class Registered(_message.Message):
     def __init__(self, site: _Optional[str] = ..., prior_capacity_tok_s: _Optional[float] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
 
 class SiteReport(_message.Message):
-    __slots__ = ("site", "healthy_workers", "total_workers", "running_requests", "queued_requests", "kv_usage", "gen_throughput_tok_s", "outstanding_requests", "outstanding_tokens", "slots", "context_tokens", "received_ids", "prompt_tokens_total", "generation_tokens_total", "delivered_tok_s", "step_age_s", "loading_workers")
+    __slots__ = ("site", "healthy_workers", "total_workers", "running_requests", "queued_requests", "kv_usage", "gen_throughput_tok_s", "outstanding_requests", "outstanding_tokens", "slots", "context_tokens", "received_ids", "prompt_tokens_total", "generation_tokens_total", "delivered_tok_s", "step_age_s", "loading_workers", "work", "accounting_workers", "loop_cpu_s", "relayed_tokens_total")
     SITE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_WORKERS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +103,10 @@ class SiteReport(_message.Message):
     DELIVERED_TOK_S_FIELD_NUMBER: _ClassVar[int]
     STEP_AGE_S_FIELD_NUMBER: _ClassVar[int]
     LOADING_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNTING_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_CPU_S_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     site: str
     healthy_workers: int
     total_workers: int
@@ -118,7 +124,27 @@ class SiteReport(_message.Message):
     delivered_tok_s: float
     step_age_s: float
     loading_workers: int
-    def __init__(self, site: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., slots: _Optional[int] = ..., context_tokens: _Optional[int] = ..., received_ids: _Optional[_Iterable[str]] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., delivered_tok_s: _Optional[float] = ..., step_age_s: _Optional[float] = ..., loading_workers: _Optional[int] = ...) -> None: ...
+    work: WorkDone
+    accounting_workers: int
+    loop_cpu_s: float
+    relayed_tokens_total: int
+    def __init__(self, site: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., slots: _Optional[int] = ..., context_tokens: _Optional[int] = ..., received_ids: _Optional[_Iterable[str]] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., delivered_tok_s: _Optional[float] = ..., step_age_s: _Optional[float] = ..., loading_workers: _Optional[int] = ..., work: _Optional[_Union[WorkDone, _Mapping]] = ..., accounting_workers: _Optional[int] = ..., loop_cpu_s: _Optional[float] = ..., relayed_tokens_total: _Optional[int] = ...) -> None: ...
+
+class WorkDone(_message.Message):
+    __slots__ = ("busy_s", "passes", "decode_seqs", "context_ktokens", "prefill_tokens", "cached_tokens")
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SEQS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_KTOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    busy_s: float
+    passes: int
+    decode_seqs: float
+    context_ktokens: float
+    prefill_tokens: int
+    cached_tokens: int
+    def __init__(self, busy_s: _Optional[float] = ..., passes: _Optional[int] = ..., decode_seqs: _Optional[float] = ..., context_ktokens: _Optional[float] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SchedulerCommand(_message.Message):
     __slots__ = ("command", "reason")
@@ -204,7 +230,7 @@ class StateRequest(_message.Message):
     def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
 
 class SiteState(_message.Message):
-    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "status", "capacity_tok_s", "outstanding_requests", "outstanding_tokens", "routed_requests", "healthy_workers", "total_workers", "last_report_age_s", "prior_capacity_tok_s", "capacity_evidence", "queued_requests", "slots", "admit_window", "prefill_s_per_token", "status_age_s", "workers_age_s", "overdue_age_s", "checkpoint", "weight_format", "loading_workers", "running_requests", "kv_usage", "gen_throughput_tok_s", "context_tokens")
+    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "status", "capacity_tok_s", "outstanding_requests", "outstanding_tokens", "routed_requests", "healthy_workers", "total_workers", "last_report_age_s", "prior_capacity_tok_s", "capacity_evidence", "queued_requests", "slots", "admit_window", "prefill_s_per_token", "status_age_s", "workers_age_s", "overdue_age_s", "checkpoint", "weight_format", "loading_workers", "running_requests", "kv_usage", "gen_throughput_tok_s", "context_tokens", "clock_speed", "agent_ceiling_tok_s")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +260,8 @@ class SiteState(_message.Message):
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     GEN_THROUGHPUT_TOK_S_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_SPEED_FIELD_NUMBER: _ClassVar[int]
+    AGENT_CEILING_TOK_S_FIELD_NUMBER: _ClassVar[int]
     name: str
     region: str
     gpu: str
@@ -263,7 +291,9 @@ class SiteState(_message.Message):
     kv_usage: float
     gen_throughput_tok_s: float
     context_tokens: int
-    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., status: _Optional[_Union[SiteStatus, str]] = ..., capacity_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., prior_capacity_tok_s: _Optional[float] = ..., capacity_evidence: _Optional[str] = ..., queued_requests: _Optional[int] = ..., slots: _Optional[int] = ..., admit_window: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., status_age_s: _Optional[float] = ..., workers_age_s: _Optional[float] = ..., overdue_age_s: _Optional[float] = ..., checkpoint: _Optional[str] = ..., weight_format: _Optional[str] = ..., loading_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., context_tokens: _Optional[int] = ...) -> None: ...
+    clock_speed: float
+    agent_ceiling_tok_s: float
+    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., status: _Optional[_Union[SiteStatus, str]] = ..., capacity_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., prior_capacity_tok_s: _Optional[float] = ..., capacity_evidence: _Optional[str] = ..., queued_requests: _Optional[int] = ..., slots: _Optional[int] = ..., admit_window: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., status_age_s: _Optional[float] = ..., workers_age_s: _Optional[float] = ..., overdue_age_s: _Optional[float] = ..., checkpoint: _Optional[str] = ..., weight_format: _Optional[str] = ..., loading_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., context_tokens: _Optional[int] = ..., clock_speed: _Optional[float] = ..., agent_ceiling_tok_s: _Optional[float] = ...) -> None: ...
 
 class FederationState(_message.Message):
     __slots__ = ("sites", "model", "refused")

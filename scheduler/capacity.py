@@ -1,37 +1,39 @@
-"""What a site can deliver, in output tokens/s: a prior to start from, then what it proves.
+"""What a site can deliver, in output tokens/s: a prior to start from, then what its workers say.
 
-The GPU profile × GPU count is only where the estimate starts. Three kinds of evidence then
-move it, every report:
+The GPU profile × GPU count (at the site's declared clock) is only where the estimate starts;
+the calibration probe, when the site joins, moves it to what a small batch showed. From then
+on the evidence is **the workers' own accounting of their work** (nodes/agent/accounting.py):
+forward passes, sequences decoded, the KV they attended, prompt tokens prefilled, and the
+seconds the workers were busy doing it, as SGLang counts them in its /metrics. The declared
+GPU's step model says how long that work takes on such a GPU (`a·passes + b·sequences +
+κ·KV + ρ·prefill`); the busy seconds say how long it took. Their ratio is how much faster or
+slower than declared the GPUs run, and what the declared GPUs' model delivers on the
+reference workload, scaled by it, is the estimate. Both sides are summed with a decay
+(TIME_CONSTANT_S), so the ratio is a busy-weighted mean over the last seconds.
 
-- A site whose requests wait while its slots (or its KV cache) are full is saturated, and a
-  saturated site delivers exactly its capacity: the estimate moves toward the delivered rate.
-  A queue beside free room is only requests waiting for the next step to admit them.
-- A site with room to spare still shows how fast it runs the batch it has, each step also
-  prefilling at least its share of the requests that replace those finishing (a few of them
-  always wait for the next step, the more so the slower the step: a queue alone is no reason
-  to stop reading), and up to a full chunk while many wait. Its workers' step at that batch
-  (running requests over tokens/s) against the step the GPU profile predicts for the same
-  batch, context and prefill says how much faster or slower the site is than declared; what the declared GPUs' model delivers, scaled by that ratio, is the
-  estimate. So a site declared MI355X that runs like an MI300X loses its share before it
-  ever queues.
-- A site delivering more than believed, held for 10 s, proves at least the least it delivered
-  over those seconds (a burst relayed late after a stall proves nothing).
+So nothing of when or how bunched the agent reads tokens enters it: an agent that stalls, a
+burst relayed late, a wave of resumed streams re-prefilling their contexts (prefill is work
+done, counted as such), a site whose load rises or falls. A worker that exports no such
+accounting (SGLang without --enable-metrics) leaves its site on the prior or probe, moved
+only by saturation: a site whose requests wait while its slots (or KV cache) are full
+delivers exactly its capacity, so the rate its agent relayed, held for SETTLE_S, is evidence.
 
-And one that does not wait for tokens: a busy site whose step in progress has run 1.75 times as long
-as its recent steps (`core.pace`) is running slower now, by at least that much. Its tokens come
-only at the step's end, so everything above learns of a brownout seconds late; while a step
+Bounded twice:
+- by physics: no estimate rises above FAST_BOUND × the declared GPUs' model (at the site's
+  clock) unless the evidence stays above it for SUSTAINED_S, and never above HARD_BOUND;
+- by the agent: an agent whose event loop runs near a whole core (AGENT_BUSY) relays no more
+  tokens than it does per CPU-second, so the site's capacity is capped there
+  (`agent_ceiling_tok_s`), whatever its GPUs could give.
+
+And one that does not wait for the accounting: a busy site whose step in progress has run
+1.75 times as long as its recent steps (`core.pace`) is running slower now; while a step
 overruns, the capacity is cut to recent step / age (`step_factor`), and the cut ends with the
 step, the evidence above taking over.
 
-The rate is what the site's agent relayed over its last 5 s (`delivered_tok_s`).
-
-The estimate is kept per healthy worker, so a site that loses workers loses that share
-at once, while a slow site loses share as fast as it proves it is slow.
-
-It is kept for the reference workload the priors were measured on (MLPerf-like) and scaled,
-when asked, to the workload the federation runs now (`scheduler.workload`): the GPU model says
-what the same GPUs deliver on each, so evidence gathered on one shape of work still holds when
-the shape changes, and each step's prefill is counted when reading how fast a site decodes.
+The estimate is kept per healthy worker, so a site that loses workers loses that share at
+once. It is kept for the reference workload the priors were measured on (MLPerf-like) and
+scaled, when asked, to the workload the federation runs now (`scheduler.workload`): the GPU
+model says what the same GPUs deliver on each.
 """
 
 from __future__ import annotations
@@ -41,37 +43,42 @@ from dataclasses import dataclass
 
 from core import pace
 from core.gpus import PROFILES, GpuProfile
-from core.wire import SiteReport
+from core.wire import SiteReport, WorkDone
 from scheduler.workload import REFERENCE, Workload, WorkloadMix
 
 # Output tokens/s per GPU in MLPerf Inference 6.1 gpt-oss-120b Server runs (REFERENCE.md §3).
 PRIOR_TOK_S_PER_GPU: dict[str, float] = {"mi300x": 3108.0, "mi355x": 14155.0}
-# How fast evidence replaces the estimate: ~95 % after three time constants (15 s), inside
-# the 30 s a mis-declared site may keep a wrong share.
+# How fast the accounting's evidence replaces the estimate: ~95 % after three time constants
+# (15 s), inside the 30 s a mis-declared site may keep a wrong share.
 TIME_CONSTANT_S = 5.0
+# Worker-seconds of accounted work (decayed) before it speaks: a few stretches of one worker.
+MIN_BUSY_S = 2.0
+# A change of speed (a brownout, its end) shows first in the last seconds' accounting: when that
+# says another speed than the estimate, by CHANGE_FACTOR or more, for CHANGE_HELD_S, the older
+# evidence is dropped and the estimate restarts from the recent. A 5-s memory alone would still
+# hold a third of the old speed 10 s after a 4-fold brownout; a short one alone is noisy where a
+# pass is long (an emulated site slowed down: a tenth of real speed makes a step a second).
+RECENT_TIME_CONSTANT_S = 1.5
+CHANGE_FACTOR = 1.3
+CHANGE_HELD_S = 2.0
 MAX_STEP_S = 2.0  # a long gap between reports must not count as a long observation
-# The delivered rate is averaged over the agent's last 5 s (nodes.agent.delivered): only once a
-# site has been busy for that long does the rate it shows belong to the batch it runs rather
-# than the time before.
+# The fallback without accounting: a site saturated this long delivers its capacity (the rate
+# its agent relayed is averaged over its last 5 s, nodes.agent.delivered).
 SETTLE_S = 5.0
-# The batch is averaged over about the same recent window as the delivered rate (a 5 s boxcar
-# lags by 2.5 s on average), so the two describe the same seconds.
-BATCH_TIME_CONSTANT_S = 2.5
-# More delivered than believed raises the estimate once held this long, to the least delivered
-# meanwhile: twice the rate's 5 s window, so a burst of tokens held up by a stalled loop
-# (relayed late, all at once) has left the window before it could count.
-ABOVE_HELD_S = 2 * SETTLE_S
-# This many requests waiting per worker (~1k-token prompts) fill a prefill chunk (16,384 tokens):
-# a step then carries a full chunk. Fewer waiting fill part of one.
-QUEUE_FOR_FULL_CHUNKS = 16
-# Below this many requests per worker the step is mostly fixed cost and launch jitter: too
-# little to scale a whole site's capacity from.
+# Below this many requests per worker the step is mostly fixed cost and launch jitter: a step
+# overrun is not read there.
 MIN_BATCH_PER_WORKER = 8.0
 # Full: a site holding this much of its slots' worth of requests (decoding, prefilling or
-# waiting at its workers), or using this much of its KV cache. A wave of arrivals queues for a
-# moment at a site with thousands of free slots; read as saturation, its low delivered rate
-# cut the US site's estimate by a third in a bench run, and its share with it.
+# waiting at its workers), or using this much of its KV cache.
 FULL_FRACTION = 0.95
+# Physics: at most this many times the declared GPUs' model without sustained evidence ...
+FAST_BOUND = 1.5
+SUSTAINED_S = 30.0  # ... evidence above it for this long lifts the bound ...
+# ... to this, and never more: the fastest GPU we know runs 4.6x the slowest (REFERENCE.md §3),
+# the most a mis-declared site can truly be faster than declared.
+HARD_BOUND = 5.0
+# An agent whose loop spends this share of a core or more is at its ceiling.
+AGENT_BUSY = 0.9
 
 
 def prior_capacity_tok_s(gpu: str, gpus: int) -> float:
@@ -87,6 +94,17 @@ def decode_speed_ratio(
     `prefill_tokens` (all per GPU)."""
     measured_step_ms = 1000.0 * batch / tok_s
     return profile.step_ms(round(batch), round(context_tokens), round(prefill_tokens)) / measured_step_ms
+
+
+def work_ms(profile: GpuProfile, done: WorkDone) -> float:
+    """How long `done` takes a worker of `profile` by its step model: each pass's fixed cost,
+    each sequence decoded, each thousand KV tokens attended, each prompt token prefilled."""
+    return (
+        profile.a_ms * done.passes
+        + profile.b_ms * done.decode_seqs
+        + profile.kappa_ms * done.context_ktokens
+        + profile.rho_ms * done.prefill_tokens
+    )
 
 
 def full_batch_tok_s(profile: GpuProfile, work: Workload) -> float:
@@ -105,34 +123,52 @@ def _full(report: SiteReport) -> bool:
 
 @dataclass(slots=True)
 class CapacityEstimator:
-    prior_tok_s: float
-    full_site_tok_s: float  # the estimate with every worker healthy
-    profile: GpuProfile | None = None  # the declared GPU's step model: the shape batch evidence is read with
+    prior_tok_s: float  # declared: the GPU profile x count, at the site's clock
+    full_site_tok_s: float  # the estimate with every worker healthy, on the reference workload
+    profile: GpuProfile | None = None  # the declared GPU's step model: what the accounting is read with
     gpus: int = 0
-    saturated_for_s: float = 0.0
+    clock_speed: float = 1.0  # the site's declared clock (1: real GPUs)
+    mix: WorkloadMix | None = None  # the federation's workload; None: the reference one
+    evidence: str = "prior"  # what the estimate last moved on: prior, probe, accounting, saturated
     busy_for_s: float = 0.0
-    above_for_s: float = 0.0  # how long the site has delivered more than the estimate
-    above_least_tok_s: float = math.inf  # the least it delivered over that time
-    batch_per_worker: float = 0.0  # recent average
-    context_per_worker: float = 0.0
-    evidence: str = "prior"  # what the estimate last moved on: prior, probe, batch, saturated, delivered
+    saturated_for_s: float = 0.0
+    above_for_s: float = 0.0  # how long the evidence has stood above the fast bound
     # While the step in progress overruns the site's pace: the share of its pace it runs at now
     # (recent step / step so far, core.pace). 1 otherwise.
     step_factor: float = 1.0
-    mix: WorkloadMix | None = None  # the federation's workload; None: the reference one
+    agent_ceiling_tok_s: float = 0.0  # what the agent relays at most, while at its ceiling (0: not)
+    workers: int = 0  # as last reported: with the GPUs, how many GPUs one worker spans
+    _work: WorkDone | None = None  # the last report's cumulative accounting
+    _model_ms: float = 0.0  # decayed: what the accounted work takes the declared GPUs ...
+    _busy_ms: float = 0.0  # ... and what it took the workers
+    _recent_model_ms: float = 0.0  # the same, over the last seconds
+    _recent_busy_ms: float = 0.0
+    _changed_for_s: float = 0.0  # how long the recent accounting has said another speed
+    _agent: tuple[float, int] | None = None  # the last report's (loop CPU s, tokens relayed)
+    _loop_cpu_s: float = 0.0  # decayed: the agent loop's CPU seconds, the wall seconds, the tokens
+    _loop_wall_s: float = 0.0
+    _relayed: float = 0.0
 
     @classmethod
-    def for_site(cls, gpu: str, gpus: int, mix: WorkloadMix | None = None) -> CapacityEstimator:
-        prior = prior_capacity_tok_s(gpu, gpus)
-        return cls(prior, prior, PROFILES.get(gpu), gpus, mix=mix)
+    def for_site(
+        cls, gpu: str, gpus: int, mix: WorkloadMix | None = None, clock_speed: float = 1.0
+    ) -> CapacityEstimator:
+        prior = prior_capacity_tok_s(gpu, gpus) * clock_speed
+        return cls(prior, prior, PROFILES.get(gpu), gpus, clock_speed, mix)
+
+    @property
+    def _tp(self) -> int:
+        """GPUs per worker (tensor parallel), from the workers reported; 1 until known."""
+        return max(1, self.gpus // self.workers) if self.workers else 1
 
     @property
     def declared_model_tok_s(self) -> float:
-        """The declared GPUs on the reference workload as their step model has them: what a
-        speed read through that model (probe, batch) scales."""
+        """The declared GPUs on the reference workload as their step model has them, at real speed:
+        what a speed read through that model (probe, accounting) scales."""
         if self.profile is None or self.gpus <= 0:
-            return self.prior_tok_s
-        return self.gpus * full_batch_tok_s(self.profile, REFERENCE)
+            return self.prior_tok_s / self.clock_speed
+        tp = self._tp
+        return self.gpus / tp * full_batch_tok_s(self.profile.tensor_parallel(tp), REFERENCE)
 
     def workload_factor(self) -> float:
         """What the site delivers on the federation's workload over what it delivers on the
@@ -146,7 +182,7 @@ class CapacityEstimator:
         if self.profile is None or batch_per_worker <= 0 or tok_s_per_worker <= 0:
             return
         ratio = decode_speed_ratio(self.profile, batch_per_worker, context_per_worker, tok_s_per_worker)
-        self.full_site_tok_s = self.declared_model_tok_s * ratio
+        self.full_site_tok_s = min(self.declared_model_tok_s * ratio, self._bound(FAST_BOUND))
         self.evidence = "probe"
 
     def observe(self, report: SiteReport, dt_s: float) -> None:
@@ -154,57 +190,89 @@ class CapacityEstimator:
         healthy, total = report.healthy_workers, report.total_workers
         if healthy <= 0 or total <= 0 or dt_s <= 0:
             return
-        per_worker_tok_s = report.delivered_tok_s / healthy
-        delivered_full_site = per_worker_tok_s * total / self.workload_factor()  # as if on the reference workload
-        follow = 1.0 - math.exp(-min(dt_s, BATCH_TIME_CONSTANT_S) / BATCH_TIME_CONSTANT_S)
-        self.batch_per_worker += follow * (report.running_requests / healthy - self.batch_per_worker)
-        self.context_per_worker += follow * (report.context_tokens / healthy - self.context_per_worker)
-        self.saturated_for_s = self.saturated_for_s + dt_s if report.queued_requests > 0 and _full(report) else 0.0
+        self.workers = total
         busy = report.running_requests / healthy >= MIN_BATCH_PER_WORKER
         self.busy_for_s = self.busy_for_s + dt_s if busy else 0.0
-        # Read only once busy and settled, as the batch is: a site filling up runs long steps.
+        # Read only once busy and settled: a site filling up runs long steps.
         self.step_factor = pace.overrun_factor(report) if self.busy_for_s >= SETTLE_S else 1.0
+        self._learn_agent(report, dt_s)
+        if not self._learn_work(report.work, dt_s) and not report.accounting_workers:
+            self._learn_saturation(report, dt_s)
 
-        held_above_s = self._held_above(delivered_full_site, dt_s)
-        if self.saturated_for_s >= SETTLE_S:
-            seen, evidence = delivered_full_site, "saturated"
-        elif self.busy_for_s >= SETTLE_S and self.profile is not None and per_worker_tok_s > 0:
-            prefill = self._prefill_per_step(self.profile, report.queued_requests / healthy)
-            ratio = decode_speed_ratio(
-                self.profile, self.batch_per_worker, self.context_per_worker, per_worker_tok_s, prefill
-            )
-            seen, evidence = self.declared_model_tok_s * ratio, "batch"
-        elif held_above_s >= ABOVE_HELD_S:
-            seen, evidence = self.above_least_tok_s, "delivered"  # more than believed is proof, busy or not
-        else:
+    def _learn_work(self, work: WorkDone, dt_s: float) -> bool:
+        """The workers' accounting since the last report; True if it moved the estimate."""
+        last, self._work = self._work, work
+        if last is None or self.profile is None:
+            return False
+        done = work - last
+        if done.any_negative():
+            return False  # the agent restarted: its totals start again from 0
+        model_ms, busy_ms = work_ms(self.profile.tensor_parallel(self._tp), done), 1000.0 * done.busy_s
+        step = min(dt_s, MAX_STEP_S)
+        keep, keep_recent = math.exp(-step / TIME_CONSTANT_S), math.exp(-step / RECENT_TIME_CONSTANT_S)
+        self._model_ms, self._busy_ms = self._model_ms * keep + model_ms, self._busy_ms * keep + busy_ms
+        self._recent_model_ms = self._recent_model_ms * keep_recent + model_ms
+        self._recent_busy_ms = self._recent_busy_ms * keep_recent + busy_ms
+        if self._busy_ms < 1000.0 * MIN_BUSY_S:
+            return False
+        speed, recent = self._model_ms / self._busy_ms, self._recent_model_ms / max(self._recent_busy_ms, 1e-9)
+        changed = self._recent_busy_ms >= 500.0 * MIN_BUSY_S and not 1 / CHANGE_FACTOR < recent / speed < CHANGE_FACTOR
+        self._changed_for_s = self._changed_for_s + dt_s if changed else 0.0
+        if self._changed_for_s >= CHANGE_HELD_S:
+            self._model_ms, self._busy_ms, self._changed_for_s = self._recent_model_ms, self._recent_busy_ms, 0.0
+            speed = recent
+        self._settle(self.declared_model_tok_s * speed, dt_s, 1.0, "accounting")
+        return True
+
+    def _learn_saturation(self, report: SiteReport, dt_s: float) -> None:
+        """Without accounting: a site saturated for SETTLE_S delivers its capacity."""
+        saturated = report.queued_requests > 0 and _full(report)
+        self.saturated_for_s = self.saturated_for_s + dt_s if saturated else 0.0
+        if self.saturated_for_s < SETTLE_S:
             return
+        delivered = report.delivered_tok_s / report.healthy_workers * report.total_workers / self.workload_factor()
         weight = 1.0 - math.exp(-min(dt_s, MAX_STEP_S) / TIME_CONSTANT_S)
-        self.full_site_tok_s += weight * (seen - self.full_site_tok_s)
+        self._settle(delivered, dt_s, weight, "saturated")
+
+    def _settle(self, seen_tok_s: float, dt_s: float, weight: float, evidence: str) -> None:
+        """Move the estimate `weight` of the way to what the evidence says, within the bounds."""
+        fast = self._bound(FAST_BOUND)
+        self.above_for_s = self.above_for_s + dt_s if seen_tok_s > fast else 0.0
+        bound = self._bound(HARD_BOUND) if self.above_for_s >= SUSTAINED_S else fast
+        self.full_site_tok_s += weight * (min(seen_tok_s, bound) - self.full_site_tok_s)
         self.evidence = evidence
+
+    def _bound(self, multiple: float) -> float:
+        return multiple * self.declared_model_tok_s * self.clock_speed
+
+    def _learn_agent(self, report: SiteReport, dt_s: float) -> None:
+        """Whether the agent's loop is at its ceiling, and what it relays per CPU-second then."""
+        last, self._agent = self._agent, (report.loop_cpu_s, report.relayed_tokens_total)
+        if last is None:
+            return
+        cpu_s, relayed = report.loop_cpu_s - last[0], report.relayed_tokens_total - last[1]
+        if cpu_s < 0 or relayed < 0:
+            self._loop_cpu_s = self._loop_wall_s = self._relayed = 0.0  # the agent restarted
+            return
+        keep = math.exp(-min(dt_s, MAX_STEP_S) / TIME_CONSTANT_S)
+        self._loop_cpu_s = self._loop_cpu_s * keep + cpu_s
+        self._loop_wall_s = self._loop_wall_s * keep + min(dt_s, MAX_STEP_S)
+        self._relayed = self._relayed * keep + relayed
+        at_ceiling = self._loop_cpu_s >= AGENT_BUSY * self._loop_wall_s > 0
+        self.agent_ceiling_tok_s = self._relayed / self._loop_cpu_s if at_ceiling else 0.0
 
     @property
     def overdue(self) -> bool:
         return self.step_factor < 1.0
 
-    def _prefill_per_step(self, profile: GpuProfile, queued_per_worker: float) -> float:
-        """Prompt tokens each step prefills besides its decode, per worker: at least the share of
-        the prompts replacing the requests that finish (a few of them are always waiting for the
-        next step, the more so the slower the step); more while more wait (a wave, or a site
-        sent more than it runs), counted as ~1k-token prompts, up to a full chunk."""
-        prompt_per_output = self.mix.current.prompt_per_output if self.mix is not None else 0.0
-        replacing = self.batch_per_worker * prompt_per_output
-        chunk = float(profile.chunked_prefill_tokens)
-        waiting = min(chunk, queued_per_worker * chunk / QUEUE_FOR_FULL_CHUNKS)
-        return max(replacing, waiting)
-
-    def _held_above(self, delivered_tok_s: float, dt_s: float) -> float:
-        """Seconds the site has delivered more than the estimate, to now; the least of it is kept."""
-        if delivered_tok_s <= self.full_site_tok_s:
-            self.above_for_s, self.above_least_tok_s = 0.0, math.inf
-        else:
-            self.above_for_s += dt_s
-            self.above_least_tok_s = min(self.above_least_tok_s, delivered_tok_s)
-        return self.above_for_s
+    def shown_evidence(self, healthy_workers: int, total_workers: int) -> str:
+        """What the capacity rests on now: `overdue` while a step overruns, `agent_ceiling` while
+        the agent caps it, else what the estimate last moved on."""
+        if self.overdue:
+            return "overdue"
+        if 0.0 < self.agent_ceiling_tok_s < self._gpu_capacity_tok_s(healthy_workers, total_workers):
+            return "agent_ceiling"
+        return self.evidence
 
     def prefill_s_per_token(self) -> float:
         """The GPU's prefill cost per prompt token, at the speed the site has shown."""
@@ -212,8 +280,12 @@ class CapacityEstimator:
             return 0.0
         return self.profile.rho_ms / 1000.0 * self.declared_model_tok_s / self.full_site_tok_s
 
-    def capacity_tok_s(self, healthy_workers: int, total_workers: int) -> float:
-        """What the site delivers now, on the federation's workload: a site that lost 4 of 16
-        workers, three quarters."""
+    def _gpu_capacity_tok_s(self, healthy_workers: int, total_workers: int) -> float:
         full = self.full_site_tok_s * self.workload_factor() * self.step_factor
         return full if total_workers <= 0 else full * healthy_workers / total_workers
+
+    def capacity_tok_s(self, healthy_workers: int, total_workers: int) -> float:
+        """What the site delivers now, on the federation's workload: a site that lost 4 of 16
+        workers, three quarters; no more than its agent relays, at its ceiling."""
+        gpus = self._gpu_capacity_tok_s(healthy_workers, total_workers)
+        return min(gpus, self.agent_ceiling_tok_s) if self.agent_ceiling_tok_s > 0 else gpus

@@ -76,11 +76,14 @@ class Site:
         return self.estimator.prior_tok_s
 
     @property
+    def workers(self) -> tuple[int, int]:
+        """(healthy, total) as last reported; (0, 0) before any report."""
+        return (self.report.healthy_workers, self.report.total_workers) if self.report else (0, 0)
+
+    @property
     def capacity_tok_s(self) -> float:
         """Measured (see scheduler.capacity), scaled by the workers healthy now."""
-        if self.report is None:
-            return self.estimator.capacity_tok_s(0, 0)
-        return self.estimator.capacity_tok_s(self.report.healthy_workers, self.report.total_workers)
+        return self.estimator.capacity_tok_s(*self.workers)
 
 
 class Registry:
@@ -128,7 +131,8 @@ class Registry:
                 "token counts, resumed streams and capacity would not agree",
             )
         try:
-            estimator = CapacityEstimator.for_site(reg.gpu, reg.gpus, self.workload)
+            clock = reg.clock_speed if reg.clock_speed > 0 else 1.0  # a registration without it: real GPUs
+            estimator = CapacityEstimator.for_site(reg.gpu, reg.gpus, self.workload, clock)
             estimator.calibrate(reg.probe_batch, reg.probe_context_tokens, reg.probe_tok_s)
         except KeyError:
             raise self.refuse(reg.name, f"unknown GPU {reg.gpu!r}: use mi300x or mi355x") from None
@@ -272,7 +276,7 @@ class Registry:
             total_workers=s.report.total_workers if s.report else 0,
             last_report_age_s=now - s.last_report_at if s.last_report_at else -1.0,
             prior_capacity_tok_s=s.prior_capacity_tok_s,
-            capacity_evidence="overdue" if s.estimator.overdue else s.estimator.evidence,
+            capacity_evidence=s.estimator.shown_evidence(*s.workers),
             queued_requests=s.report.queued_requests if s.report else 0,
             slots=s.report.slots if s.report else 0,
             admit_window=s.slow_start.window,
@@ -287,4 +291,6 @@ class Registry:
             kv_usage=s.report.kv_usage if s.report else 0.0,
             gen_throughput_tok_s=s.report.gen_throughput_tok_s if s.report else 0.0,
             context_tokens=s.report.context_tokens if s.report else 0,
+            clock_speed=s.estimator.clock_speed,
+            agent_ceiling_tok_s=s.estimator.agent_ceiling_tok_s,
         )

@@ -1,130 +1,219 @@
-"""The capacity estimator learns what a site delivers; the prior is only where it starts."""
+"""The capacity estimator learns how fast a site's GPUs run from the workers' own accounting of
+their work; the prior is only where it starts, and physics and the agent bound it.
+
+These feed it reports built from the GPU step model (tests/test_capacity_recorded.py feeds it
+reports recorded from real agents over emulated workers)."""
 
 from __future__ import annotations
 
 from core import pace
-from core.gpus import PROFILES
-from core.wire import SiteReport
-from scheduler.capacity import CapacityEstimator, full_batch_tok_s, prior_capacity_tok_s
+from core.gpus import PROFILES, GpuProfile
+from core.wire import SiteReport, WorkDone
+from scheduler.capacity import (
+    FAST_BOUND,
+    HARD_BOUND,
+    SUSTAINED_S,
+    CapacityEstimator,
+    full_batch_tok_s,
+    prior_capacity_tok_s,
+)
 from scheduler.workload import REFERENCE, Workload, WorkloadMix
 
 REPORT_S = 0.25
 
 
-def _run(est: CapacityEstimator, seconds: float, **report: float) -> None:
-    for _ in range(round(seconds / REPORT_S)):
-        est.observe(SiteReport("s", **report), REPORT_S)
+class Site:
+    """Reports of a site of `workers` GPUs running steady steps of `batch` requests holding
+    `context` tokens each, `prefill` prompt tokens per step, at `speed` times the pace of
+    `runs_as`; its workers' accounting summed as the agent sums it."""
+
+    def __init__(self, runs_as: GpuProfile, workers: int = 16, speed: float = 1.0) -> None:
+        self.runs_as, self.workers, self.speed = runs_as, workers, speed
+        self.work = WorkDone()
+        self.relayed = 0
+        self.loop_cpu_s = 0.0
+        self.at = 0.0  # seconds reported
+
+    def run(
+        self,
+        est: CapacityEstimator,
+        seconds: float,
+        batch: float,
+        context: float = 1200.0,
+        prefill: float = 0.0,
+        healthy: int | None = None,
+        loop_busy: float = 0.1,
+        mix: WorkloadMix | None = None,
+        **report: float,
+    ) -> None:
+        healthy = self.workers if healthy is None else healthy
+        step_s = self.runs_as.step_ms(batch, batch * context, prefill) / 1000.0 / self.speed
+        passes = REPORT_S / step_s * healthy
+        for _ in range(round(seconds / REPORT_S)):
+            done = WorkDone(
+                REPORT_S * healthy,
+                round(passes),
+                passes * batch,
+                passes * batch * context / 1000,
+                round(passes * prefill),
+            )
+            self.work = self.work + done
+            self.relayed += round(passes * batch)
+            self.loop_cpu_s += loop_busy * REPORT_S
+            self.at += REPORT_S
+            site = SiteReport(
+                "s",
+                healthy_workers=healthy,
+                total_workers=self.workers,
+                running_requests=round(healthy * batch),
+                context_tokens=round(healthy * batch * context),
+                work=self.work,
+                accounting_workers=healthy,
+                loop_cpu_s=self.loop_cpu_s,
+                relayed_tokens_total=self.relayed,
+                generation_tokens_total=self.relayed,
+                prompt_tokens_total=round(self.relayed * prefill / batch),  # what finishing requests prefilled
+                delivered_tok_s=healthy * batch / step_s,
+                **report,  # type: ignore[arg-type]
+            )
+            if mix is not None:
+                mix.observe(site, self.at)
+            est.observe(site, REPORT_S)
 
 
-def test_a_saturated_site_that_is_slower_than_declared_loses_share_within_30_s() -> None:
-    """Declared 16 x MI355X, delivering like 16 x MI300X with requests waiting: within 30 s the
-    estimate is within 5 % of what it delivers."""
+def test_a_site_as_fast_as_declared_is_estimated_at_its_declared_model() -> None:
+    """16 MI355X whose accounting matches the MI355X step model, at a part-full batch: the
+    estimate is the declared GPUs' model, whatever the load."""
+    est = CapacityEstimator.for_site("mi355x", 16)
+    Site(PROFILES["mi355x"]).run(est, 20, batch=300)
+    assert est.evidence == "accounting"
+    assert abs(est.full_site_tok_s / est.declared_model_tok_s - 1) < 0.01
+
+
+def test_a_site_slower_than_declared_loses_its_share_within_30_s() -> None:
+    """Declared 16 x MI355X, running at an MI300X's pace (its accounting's steps take an MI300X's
+    time): within 30 s the estimate is near an MI300X site's, not an MI355X's (~4.5 x more).
+    Read through the MI355X's step shape (a smaller fixed cost) it is within 30 %."""
+    est = CapacityEstimator.for_site("mi355x", 16)
+    Site(PROFILES["mi300x"]).run(est, 30, batch=128, prefill=400)
+    truth = 16 * full_batch_tok_s(PROFILES["mi300x"], REFERENCE)
+    assert abs(est.capacity_tok_s(16, 16) / truth - 1) < 0.3
+
+
+def test_a_wave_of_prefill_is_work_not_a_slow_gpu() -> None:
+    """A wave of resumed streams re-prefilling their contexts: every step carries a full chunk of
+    prefill, and the decode batch steps slowly. The accounting counts the prefill as work done,
+    so the estimate stays at the declared model; the delivered rate, read alone, halves."""
+    profile = PROFILES["mi355x"]
+    est = CapacityEstimator.for_site("mi355x", 16)
+    site = Site(profile)
+    site.run(est, 20, batch=900)
+    before = est.full_site_tok_s
+    site.run(est, 20, batch=250, prefill=profile.chunked_prefill_tokens, queued_requests=3000)
+    assert abs(est.full_site_tok_s / before - 1) < 0.01
+
+
+def test_a_browned_out_site_loses_its_share_within_10_s() -> None:
+    """Its GPUs slowed 4-fold: its workers' busy seconds hold 4 times the work's model time, and
+    the estimate is a quarter of what it was within 10 s."""
+    est = CapacityEstimator.for_site("mi355x", 16)
+    site = Site(PROFILES["mi355x"])
+    site.run(est, 20, batch=900, prefill=4000)
+    before = est.full_site_tok_s
+    site.speed = 0.25
+    site.run(est, 10, batch=900, prefill=4000)
+    assert abs(est.full_site_tok_s / (before / 4) - 1) < 0.1
+
+
+def test_reports_late_and_bunched_change_nothing() -> None:
+    """An agent stalled for 3 s sends no report, then one carrying 3 s of accounting at once:
+    the estimate is what it was (only the workers' own counts enter it, not when they came)."""
+    est = CapacityEstimator.for_site("mi300x", 16)
+    site = Site(PROFILES["mi300x"])
+    site.run(est, 20, batch=200, prefill=1000)
+    before = est.full_site_tok_s
+    held = Site(PROFILES["mi300x"])
+    held.work = site.work
+    held.run(CapacityEstimator.for_site("mi300x", 16), 3, batch=200, prefill=1000)  # the stall's work, unreported
+    est.observe(SiteReport("s", healthy_workers=16, total_workers=16, work=held.work, accounting_workers=16), 3.0)
+    site.work = held.work
+    site.run(est, 2, batch=200, prefill=1000)
+    assert abs(est.full_site_tok_s / before - 1) < 0.01
+
+
+def test_lost_workers_lower_capacity_at_once() -> None:
+    """A site with 12 of 16 workers healthy delivers three quarters of its capacity, and the 12's
+    accounting keeps the estimate per worker where it was."""
+    est = CapacityEstimator.for_site("mi355x", 16)
+    site = Site(PROFILES["mi355x"])
+    site.run(est, 20, batch=900)
+    full = est.capacity_tok_s(16, 16)
+    site.run(est, 20, batch=900, healthy=12)
+    assert abs(est.capacity_tok_s(12, 16) / (0.75 * full) - 1) < 0.01
+
+
+def test_no_estimate_rises_past_the_physics_bound_without_sustained_evidence() -> None:
+    """Accounting that says the GPUs run 3 times faster than declared (a misread, or a site that
+    under-declared) lifts the estimate only to FAST_BOUND x the declared model until it has held
+    for SUSTAINED_S; then to what it says, never past HARD_BOUND."""
+    est = CapacityEstimator.for_site("mi300x", 16)
+    site = Site(PROFILES["mi300x"], speed=3.0)
+    site.run(est, SUSTAINED_S - 5, batch=200)
+    assert abs(est.full_site_tok_s / (FAST_BOUND * est.declared_model_tok_s) - 1) < 0.01
+    site.run(est, 20, batch=200)
+    assert abs(est.full_site_tok_s / (3 * est.declared_model_tok_s) - 1) < 0.02
+    site.speed = 10.0
+    site.run(est, 60, batch=200)
+    assert abs(est.full_site_tok_s / (HARD_BOUND * est.declared_model_tok_s) - 1) < 0.01
+
+
+def test_an_emulated_sites_clock_scales_its_prior_and_its_bound() -> None:
+    """A site emulated at a twentieth of real speed declares it: its prior is a twentieth, and its
+    accounting at that clock reads as its declared GPUs, not as a GPU 20 times slower."""
+    est = CapacityEstimator.for_site("mi355x", 16, clock_speed=0.05)
+    assert est.prior_tok_s == 0.05 * prior_capacity_tok_s("mi355x", 16)
+    Site(PROFILES["mi355x"], speed=0.05).run(est, 20, batch=900)
+    assert abs(est.full_site_tok_s / (0.05 * est.declared_model_tok_s) - 1) < 0.01
+
+
+def test_an_agent_at_its_cpu_ceiling_caps_its_site() -> None:
+    """An agent whose loop runs at 95 % of a core relays no more than it does per CPU-second: the
+    site's capacity is capped there, and says so; below its ceiling it caps nothing."""
+    est = CapacityEstimator.for_site("mi355x", 16)
+    site = Site(PROFILES["mi355x"])
+    site.run(est, 20, batch=100, loop_busy=0.5)
+    assert est.agent_ceiling_tok_s == 0 and est.shown_evidence(16, 16) == "accounting"
+    site.run(est, 20, batch=100, loop_busy=0.95)
+    relayed_tok_s = 16 * 100 / (PROFILES["mi355x"].step_ms(100, 100 * 1200, 0) / 1000)
+    assert abs(est.capacity_tok_s(16, 16) / (relayed_tok_s / 0.95) - 1) < 0.02
+    assert est.capacity_tok_s(16, 16) < est.full_site_tok_s and est.shown_evidence(16, 16) == "agent_ceiling"
+
+
+def test_without_accounting_a_saturated_site_is_what_it_delivers() -> None:
+    """Workers that export no accounting: the estimate moves only when the site is saturated
+    (requests waiting with every slot full) for SETTLE_S, to what it delivers."""
     declared, real = prior_capacity_tok_s("mi355x", 16), prior_capacity_tok_s("mi300x", 16)
-    est = CapacityEstimator(declared, declared)
-    _run(est, 30, healthy_workers=16, total_workers=16, queued_requests=40, delivered_tok_s=real)
-    assert abs(est.capacity_tok_s(16, 16) / real - 1) < 0.05
-
-
-def test_idle_sites_keep_their_estimate_and_busy_ones_raise_it() -> None:
-    """A site with room to spare delivering little proves nothing (the estimate stays); one that
-    delivers more than believed raises it, saturated or not."""
-    est = CapacityEstimator(100_000, 100_000)
-    _run(est, 60, healthy_workers=16, total_workers=16, queued_requests=0, delivered_tok_s=10_000)
-    assert est.capacity_tok_s(16, 16) == 100_000
-    _run(est, 30, healthy_workers=16, total_workers=16, queued_requests=0, delivered_tok_s=150_000)
-    assert est.capacity_tok_s(16, 16) > 145_000
-
-
-def test_a_burst_of_tokens_relayed_late_does_not_raise_the_estimate() -> None:
-    """An agent whose loop stalled relays the tokens held up all at once: its 5-s rate shows a
-    spike for 5 s. More than believed must hold longer than that before it counts, and then
-    counts at the least it was."""
-    est = CapacityEstimator(100_000, 100_000)
-    idle = dict(healthy_workers=16, total_workers=16, queued_requests=0)
-    _run(est, 5, **idle, delivered_tok_s=160_000)
-    _run(est, 5, **idle, delivered_tok_s=90_000)
-    assert est.capacity_tok_s(16, 16) == 100_000
-    _run(est, 10, **idle, delivered_tok_s=130_000)
-    _run(est, 1, **idle, delivered_tok_s=120_000)
-    assert 100_000 < est.capacity_tok_s(16, 16) <= 120_000 and est.evidence == "delivered"
-
-
-def test_saturation_must_settle_before_it_lowers_the_estimate() -> None:
-    """The first seconds of saturation show a throughput average still full of idle time: they
-    must not drag the estimate down."""
-    est = CapacityEstimator(100_000, 100_000)
-    _run(est, 4, healthy_workers=16, total_workers=16, queued_requests=10, delivered_tok_s=20_000)
-    assert est.capacity_tok_s(16, 16) == 100_000
-
-
-def test_a_queue_beside_free_slots_is_not_saturation() -> None:
-    """A wave of arrivals waits a moment at a site running half its slots: what it delivers then
-    says nothing of its capacity. Once its requests fill every slot (decoding, or prefilling:
-    SGLang counts those as waiting), the same queue is saturation."""
-    est = CapacityEstimator(200_000, 200_000)
-    half = dict(healthy_workers=16, total_workers=16, slots=16384, queued_requests=9, kv_usage=0.3)
-    _run(est, 30, **half, running_requests=8192, delivered_tok_s=70_000)
-    assert est.capacity_tok_s(16, 16) == 200_000
-    prefilling = {**half, "queued_requests": 4000}
-    _run(est, 30, **prefilling, running_requests=12384, delivered_tok_s=180_000)
-    assert abs(est.capacity_tok_s(16, 16) / 180_000 - 1) < 0.05 and est.evidence == "saturated"
-
-
-def test_a_wave_being_prefilled_is_not_read_as_a_slow_gpu() -> None:
-    """A joining site takes thousands of requests at once: while their prompts are prefilled
-    (SGLang shows them waiting) its decoding requests step slowly, each step carrying a full
-    prefill chunk. Read as such, that is no evidence of a slow GPU: the estimate is what the
-    declared GPUs' model delivers, within a few per cent."""
     est = CapacityEstimator.for_site("mi355x", 16)
-    per_gpu = 4000 / 16
-    step_ms = PROFILES["mi355x"].step_ms(per_gpu, per_gpu * 1600, PROFILES["mi355x"].chunked_prefill_tokens)
-    wave = dict(healthy_workers=16, total_workers=16, slots=16384, running_requests=4000, queued_requests=3000)
-    _run(est, 30, **wave, context_tokens=4000 * 1600, delivered_tok_s=16 * per_gpu * 1000 / step_ms)
-    assert abs(est.capacity_tok_s(16, 16) / est.declared_model_tok_s - 1) < 0.03
+    full = dict(healthy_workers=16, total_workers=16, slots=4096, running_requests=4096, delivered_tok_s=real)
+    for _ in range(round(4 / REPORT_S)):
+        est.observe(SiteReport("s", **full, queued_requests=40), REPORT_S)
+    assert est.full_site_tok_s == declared  # not yet settled
+    for _ in range(round(30 / REPORT_S)):
+        est.observe(SiteReport("s", **full, queued_requests=40), REPORT_S)
+    assert abs(est.capacity_tok_s(16, 16) / real - 1) < 0.05 and est.evidence == "saturated"
 
 
-def test_a_browned_out_site_with_a_queue_and_free_slots_loses_its_share() -> None:
-    """A site whose GPUs slow 4-fold is still sent work: prompts wait at it while finished
-    requests leave slots free, so it is neither idle nor full. Its decode batch, stepping 4
-    times slower than the GPU model says with a full prefill chunk per step, cuts the estimate
-    to about a quarter within 30 s."""
+def test_a_probe_sets_the_starting_point_within_the_bound() -> None:
+    """The calibration probe's decode rate replaces the declared prior before any traffic; a
+    probe spoilt into an absurd rate (a stalled loop's burst read 450 M tok/s) is held to the
+    physics bound."""
     est = CapacityEstimator.for_site("mi355x", 16)
-    per_gpu = 800
-    step_ms = PROFILES["mi355x"].step_ms(per_gpu, per_gpu * 1200, PROFILES["mi355x"].chunked_prefill_tokens)
-    slowed = dict(healthy_workers=16, total_workers=16, slots=16384, running_requests=16 * per_gpu)
-    _run(
-        est,
-        30,
-        **slowed,
-        queued_requests=2000,
-        context_tokens=16 * per_gpu * 1200,
-        delivered_tok_s=16 * per_gpu * 1000 / (4 * step_ms),
-    )
-    assert abs(est.capacity_tok_s(16, 16) / (est.declared_model_tok_s / 4) - 1) < 0.1 and est.evidence == "batch"
-
-
-def test_a_browned_out_site_whose_arrivals_wait_for_its_slow_step_loses_its_share() -> None:
-    """Slowed 4-fold, a site's steps take 4 times as long, and the few requests sent to replace
-    those finishing wait longer for the next one: a handful wait at every report (at a drill's
-    twentieth of real speed a step lasts seconds). That queue is the replacements, not a wave:
-    the batch, read with the replacements' prefill, still gives the slowdown away."""
-    mix = WorkloadMix()
-    mix.current = Workload(prompt_per_output=5.0, context_per_request=1200.0)
-    est = CapacityEstimator.for_site("mi355x", 16, mix)
-    per_gpu, profile = 960, PROFILES["mi355x"]
-    step_ms = profile.step_ms(per_gpu, per_gpu * 1200, per_gpu * 5)
-    _run(
-        est,
-        30,
-        healthy_workers=16,
-        total_workers=16,
-        slots=16384,
-        running_requests=16 * per_gpu,
-        queued_requests=16 * 3,
-        context_tokens=16 * per_gpu * 1200,
-        delivered_tok_s=16 * per_gpu * 1000 / (4 * step_ms),
-    )
-    assert abs(est.full_site_tok_s / (est.declared_model_tok_s / 4) - 1) < 0.1 and est.evidence == "batch"
+    context = 32 * 600
+    est.calibrate(32, context, 1000.0 * 32 / PROFILES["mi300x"].step_ms(32, context, 0))
+    assert est.evidence == "probe"
+    assert est.capacity_tok_s(16, 16) < 0.4 * est.prior_tok_s
+    est.calibrate(16, 16 * 288, 450e6 / 16)
+    assert est.full_site_tok_s == FAST_BOUND * est.declared_model_tok_s
 
 
 def test_a_step_that_overruns_the_sites_pace_cuts_its_capacity_while_it_lasts() -> None:
@@ -133,84 +222,20 @@ def test_a_step_that_overruns_the_sites_pace_cuts_its_capacity_while_it_lasts() 
     cut to a fifth at once, the estimate the evidence built kept. Under OVERRUN_FACTOR times is
     no overrun, nor under OVERRUN_MIN_S more (the agent's loop lag), and the cut ends with the
     step."""
-    mix = WorkloadMix()
-    mix.current = Workload(prompt_per_output=5.0, context_per_request=1200.0)
-    est = CapacityEstimator.for_site("mi355x", 16, mix)
-    per_gpu, profile = 960, PROFILES["mi355x"]
-    step_s = profile.step_ms(per_gpu, per_gpu * 1200, per_gpu * 5) / 1000
-    busy = dict(
-        healthy_workers=16,
-        total_workers=16,
-        slots=16384,
-        running_requests=16 * per_gpu,
-        context_tokens=16 * per_gpu * 1200,
-        delivered_tok_s=16 * per_gpu / step_s,
-    )
-    _run(est, 30, **busy, step_age_s=step_s / 2)
+    est = CapacityEstimator.for_site("mi355x", 16)
+    site = Site(PROFILES["mi355x"])
+    step_s = PROFILES["mi355x"].step_ms(960, 960 * 1200, 0) / 1000
+    site.run(est, 30, batch=960, step_age_s=step_s / 2)
     before = est.capacity_tok_s(16, 16)
     short = (0.95 * pace.OVERRUN_FACTOR * step_s, step_s + 0.9 * pace.OVERRUN_MIN_S)  # under each bound
     for short_of_an_overrun in short:
-        _run(est, REPORT_S, **busy, step_age_s=short_of_an_overrun)
+        site.run(est, REPORT_S, batch=960, step_age_s=short_of_an_overrun)
         assert abs(est.capacity_tok_s(16, 16) / before - 1) < 0.01 and not est.overdue
-    _run(est, REPORT_S, **busy, step_age_s=5 * step_s)
+    site.run(est, REPORT_S, batch=960, step_age_s=5 * step_s)
     assert est.overdue and abs(est.capacity_tok_s(16, 16) / (before / 5) - 1) < 0.1
-    _run(est, REPORT_S, **busy, step_age_s=step_s / 2)
+    assert est.shown_evidence(16, 16) == "overdue"
+    site.run(est, REPORT_S, batch=960, step_age_s=step_s / 2)
     assert not est.overdue and abs(est.capacity_tok_s(16, 16) / before - 1) < 0.02
-
-
-def test_lost_workers_lower_capacity_at_once() -> None:
-    """A site with 12 of 16 workers healthy delivers three quarters of its capacity; what the
-    12 deliver is read as the whole site's rate scaled up, so losing workers is not slowness."""
-    est = CapacityEstimator(160_000, 160_000)
-    assert est.capacity_tok_s(12, 16) == 120_000
-    _run(est, 30, healthy_workers=12, total_workers=16, queued_requests=5, delivered_tok_s=120_000)
-    assert abs(est.capacity_tok_s(16, 16) / 160_000 - 1) < 0.01
-
-
-def _decode_like_mi300x(est: CapacityEstimator, batch: int, seconds: float = 30) -> None:
-    """Reports from 16 GPUs that decode `batch` requests each (1,600 tokens of context apiece)
-    at an MI300X's pace, with no queue."""
-    context = batch * 1600
-    tok_s = 1000.0 * batch / PROFILES["mi300x"].step_ms(batch, context, 0)
-    _run(
-        est,
-        seconds,
-        healthy_workers=16,
-        total_workers=16,
-        running_requests=16 * batch,
-        context_tokens=16 * context,
-        delivered_tok_s=16 * tok_s,
-    )
-
-
-def test_a_site_slower_than_declared_loses_share_before_it_ever_queues() -> None:
-    """Declared 16 x MI355X, running 128 requests per GPU at MI300X speed with no queue: the
-    decode step at that batch gives it away, and within 30 s the estimate is near an MI300X
-    site's, not an MI355X's (~4.5 x more). Read through the MI355X's step shape (a smaller fixed
-    cost) the batch overstates it by ~25 %; the extra work that routes there makes it queue,
-    and saturation evidence then finishes the job (the test above)."""
-    est = CapacityEstimator.for_site("mi355x", 16)
-    _decode_like_mi300x(est, 128)
-    true_capacity = prior_capacity_tok_s("mi300x", 16)
-    assert abs(est.capacity_tok_s(16, 16) / true_capacity - 1) < 0.3
-    assert est.evidence == "batch"
-
-
-def test_a_site_as_fast_as_declared_keeps_its_prior_from_batch_evidence() -> None:
-    """An MI300X site running a part-full batch at MI300X speed is estimated near its prior:
-    batch evidence scales the declared capacity, it does not mistake light load for slowness."""
-    est = CapacityEstimator.for_site("mi300x", 16)
-    _decode_like_mi300x(est, 100)
-    assert abs(est.capacity_tok_s(16, 16) / est.prior_tok_s - 1) < 0.05
-
-
-def test_a_probe_sets_the_starting_point() -> None:
-    """The calibration probe's decode rate replaces the declared prior before any traffic."""
-    est = CapacityEstimator.for_site("mi355x", 16)
-    context = 32 * 600
-    est.calibrate(32, context, 1000.0 * 32 / PROFILES["mi300x"].step_ms(32, context, 0))
-    assert est.evidence == "probe"
-    assert est.capacity_tok_s(16, 16) < 0.4 * est.prior_tok_s
 
 
 # 1,000-token prompts, 200-token answers: a running request holds ~1,100 tokens on average.
@@ -220,17 +245,10 @@ SHORT_ANSWERS = Workload(prompt_per_output=5.0, context_per_request=1100.0)
 def _steady_mi355x_site(est: CapacityEstimator, mix: WorkloadMix, work: Workload, seconds: float) -> None:
     """Reports from 16 MI355X with every slot decoding `work` at the GPU model's pace, the
     requests they finish counted as SGLang counts them, seen by the mix and the estimator."""
-    profile, batch = PROFILES["mi355x"], PROFILES["mi355x"].max_running_requests
-    tok_s = 16 * full_batch_tok_s(profile, work)
-    for i in range(round(seconds / REPORT_S)):
-        done = tok_s * REPORT_S * i
-        report = SiteReport(
-            "s", healthy_workers=16, total_workers=16, running_requests=16 * batch,
-            context_tokens=round(16 * batch * work.context_per_request), delivered_tok_s=tok_s,
-            slots=16 * batch, prompt_tokens_total=round(done * work.prompt_per_output), generation_tokens_total=round(done),
-        )  # fmt: skip
-        mix.observe(report, i * REPORT_S)
-        est.observe(report, REPORT_S)
+    batch = PROFILES["mi355x"].max_running_requests
+    Site(PROFILES["mi355x"]).run(
+        est, seconds, batch, work.context_per_request, batch * work.prompt_per_output, mix=mix, slots=16 * batch
+    )
 
 
 def test_the_workload_mix_is_learned_from_finished_requests() -> None:
@@ -246,13 +264,13 @@ def test_the_workload_mix_is_learned_from_finished_requests() -> None:
 def test_capacity_follows_the_shape_of_the_work() -> None:
     """An MI355X site decoding short answers to long prompts at its declared pace: each step also
     prefills the requests replacing those finishing, so it delivers ~40 % less than on MLPerf-like
-    work. Its capacity says so, and the batch evidence, counting that prefill, does not read it
-    as a slow GPU: the estimate in reference units stays at what the declared GPUs' model gives."""
+    work. Its capacity says so, and the accounting, counting that prefill, does not read it as a
+    slow GPU: the estimate in reference units stays at what the declared GPUs' model gives."""
     mix = WorkloadMix()
     est = CapacityEstimator.for_site("mi355x", 16, mix)
     _steady_mi355x_site(est, mix, SHORT_ANSWERS, 30)
     delivers = 16 * full_batch_tok_s(PROFILES["mi355x"], SHORT_ANSWERS)
-    assert est.evidence == "batch"
+    assert est.evidence == "accounting"
     assert abs(est.capacity_tok_s(16, 16) / delivers - 1) < 0.03
     assert delivers < 0.7 * 16 * full_batch_tok_s(PROFILES["mi355x"], REFERENCE)
     assert abs(est.full_site_tok_s / est.declared_model_tok_s - 1) < 0.03

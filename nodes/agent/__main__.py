@@ -106,7 +106,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "one core reads ~60 k tokens/s at SGLang's pace, so a site of more than ~4 MI355X needs them "
         "(see nodes/agent/readers.py, docs/DATAPATH.md)",
     )
-    p.add_argument("--speed", type=float, default=1.0, help="emulated GPU speed (with --emulate, --launch emulator)")
+    p.add_argument(
+        "--speed",
+        type=runtime.positive_float,
+        default=1.0,
+        help="the GPUs' clock speed (default 1: real GPUs): the emulated workers' speed with --emulate or "
+        "--launch emulator; declared to the schedulers with the GPUs, so that the site's prior and the bound "
+        "on its measured capacity are in the time its tokens come in (pass the workers' --speed when "
+        "attaching emulated ones)",
+    )
     p.add_argument(
         "--worker-port",
         "--emulator-port",
@@ -329,6 +337,7 @@ def _registration(
         tokenizer=served.tokenizer,
         checkpoint=served.checkpoint,
         weight_format=served.weight_format,
+        clock_speed=args.speed,
     )
 
 

@@ -21,7 +21,9 @@ import aiohttp
 import structlog
 
 from core.settings import AgentTimings
+from core.wire import WorkDone
 from nodes.agent import sglang
+from nodes.agent.accounting import WorkMeter
 from nodes.agent.sglang import WorkerInfo, WorkerStats
 
 log = structlog.get_logger("agent.pool")
@@ -44,6 +46,7 @@ class Worker:
     info: WorkerInfo | None = None  # None until /server_info was read
     last_event_at: float = 0.0  # monotonic time of the last stream event any call on it received
     loading: bool = False  # its process started (`--launch`) and it has not been healthy since
+    meter: WorkMeter = field(default_factory=WorkMeter)  # its own accounting of its work, read stretch by stretch
 
     @property
     def incremental(self) -> bool:
@@ -81,6 +84,7 @@ class WorkerPool:
         # Prompt and output tokens of the requests the workers finished, since the agent started.
         self.finished_prompt_tokens = 0.0
         self.finished_output_tokens = 0.0
+        self.work = WorkDone()  # what the workers say they did, since the agent started (nodes.agent.accounting)
 
     @property
     def healthy_count(self) -> int:
@@ -90,6 +94,11 @@ class WorkerPool:
     def waiting(self) -> int:
         """Requests queued at the agent for a free worker slot."""
         return len(self._waiters)
+
+    @property
+    def accounting_count(self) -> int:
+        """Healthy workers whose /metrics carry their own accounting of their work."""
+        return sum(w.healthy and w.stats is not None and w.stats.accounting is not None for w in self.workers)
 
     @property
     def slots(self) -> int:
@@ -155,6 +164,7 @@ class WorkerPool:
         """Its process (re)started: nothing it said before holds; it loads until healthy."""
         self.mark_failed(worker)
         worker.loading, worker.info, worker.stats, worker.failures = True, None, None, 0
+        worker.meter.reset()
 
     async def _check(self, worker: Worker) -> None:
         checked_at = time.monotonic()
@@ -169,6 +179,7 @@ class WorkerPool:
         )
         if stats is not None:
             self._count_finished(worker.stats, stats)
+            self._count_work(worker, stats)
             worker.stats = stats
         if health is sglang.Health.SLOW and stats is not None and stats.running_requests + stats.queued_requests:
             return  # saturated, not sick: its metrics answer and it has work (decoding, or prefilling)
@@ -210,6 +221,14 @@ class WorkerPool:
         if before is not None:
             self.finished_prompt_tokens += _increase(before.prompt_tokens_total, now.prompt_tokens_total)
             self.finished_output_tokens += _increase(before.generation_tokens_total, now.generation_tokens_total)
+
+    def _count_work(self, worker: Worker, stats: sglang.WorkerStats) -> None:
+        """Add the stretch of work this read closes, if it closes one, to the site's total."""
+        if stats.accounting is None:
+            return
+        done = worker.meter.add(stats.accounting, mixed_chunk=bool(worker.info and worker.info.mixed_chunk))
+        if done is not None:
+            self.work = self.work + done
 
     def mark_failed(self, worker: Worker) -> None:
         """A request saw the worker break: stop sending it work until a check passes."""

@@ -321,7 +321,8 @@ class SiteAgentService(wire.SiteAgentServicer):
         return wire.join_reply_to_pb(self.site, self.address)
 
     def next_report(self) -> wire.SiteReport:
-        """The site's load now, with the calls taken since the previous one (handed over once)."""
+        """The site's load now, with the calls taken since the previous one (handed over once).
+        Called on the event loop's thread."""
         received, self.ledger.received_ids = self.ledger.received_ids, []
         stats = [w.stats for w in self.pool.workers if w.healthy and w.stats is not None]
         healthy, loading = self.pool.healthy_count, sum(w.loading for w in self.pool.workers)
@@ -345,6 +346,10 @@ class SiteAgentService(wire.SiteAgentServicer):
             prompt_tokens_total=round(self.pool.finished_prompt_tokens),
             generation_tokens_total=round(self.pool.finished_output_tokens),
             step_age_s=self._step_age_s(),
+            work=self.pool.work,
+            accounting_workers=self.pool.accounting_count,
+            loop_cpu_s=time.thread_time(),  # called on the loop's thread: its CPU, as cpu_clock's "loop"
+            relayed_tokens_total=self.delivered.total,
         )
 
     def _step_age_s(self) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,24 @@ class WorkerUnreachable(WorkerFailed):
 
 
 @dataclass(frozen=True, slots=True)
+class Accounting:
+    """A worker's own accounting of its work, as one read of its /metrics found it (SGLang 0.5.23
+    with --enable-metrics; see nodes/agent/accounting.py for how it is used). Counters are
+    cumulative since the worker started; the gauges are renewed at its log points."""
+
+    decode_passes: float  # cuda_graph_passes_total, decode modes
+    prefill_passes: float  # and prefill modes
+    decode_tokens: float  # realtime_tokens_total{mode="decode"}: tokens of decode-only passes
+    prefill_tokens: float  # realtime_tokens_total{mode="prefill_compute"}
+    cached_tokens: float  # realtime_tokens_total{mode="prefill_cache"}
+    idle_s: float  # scheduler_idle_seconds_total
+    running_requests: int  # num_running_reqs: the decode batch at its last log point
+    decode_context_tokens: int  # decode_sum_seq_lens: that batch's KV at the same point
+    sent_at: float  # time.monotonic() when the read was asked for ...
+    received_at: float  # ... and when its answer was in: the counters were read in between
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerStats:
     """The gauges the agent reads from a worker's /metrics."""
 
@@ -45,6 +64,7 @@ class WorkerStats:
     # Counted as requests finish: their ratio is the workload's prompt tokens per output token.
     prompt_tokens_total: float = 0.0
     generation_tokens_total: float = 0.0
+    accounting: Accounting | None = None  # None: the worker does not export it
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +78,9 @@ class WorkerInfo:
     tokenizer: str = ""
     checkpoint: str = ""  # the weights it loaded (SGLang's model_path)
     quantization: str = ""  # SGLang's --quantization ("": none given; the checkpoint's own format)
+    # SGLang's --enable-mixed-chunk: a prefill pass also decodes the running batch, and SGLang
+    # counts none of that decode in realtime_tokens_total{mode="decode"}.
+    mixed_chunk: bool = False
 
 
 def error_message(body: Any) -> str:
@@ -112,6 +135,7 @@ async def server_info(session: aiohttp.ClientSession, url: str, timeout_s: float
         tokenizer=str(info.get("tokenizer_path") or model_path),
         checkpoint=str(model_path),
         quantization=str(info.get("quantization") or ""),
+        mixed_chunk=bool(info.get("enable_mixed_chunk", False)),
     )
 
 
@@ -137,8 +161,15 @@ GAUGES_READ = (
     "sglang:token_usage",
     "sglang:gen_throughput",
     "sglang:num_used_tokens",
+    "sglang:decode_sum_seq_lens",
 )
-COUNTERS_READ = ("sglang:prompt_tokens", "sglang:generation_tokens")
+COUNTERS_READ = (
+    "sglang:prompt_tokens",
+    "sglang:generation_tokens",
+    "sglang:realtime_tokens",
+    "sglang:cuda_graph_passes",
+    "sglang:scheduler_idle_seconds",  # created at 0 when SGLang starts: its presence says the rest is exported
+)
 # Their sample lines ("name{labels} value", "name value"; a counter's name ends in _total) and
 # their TYPE lines.
 _LINE_STARTS = (
@@ -156,20 +187,46 @@ def _lines_read(text: str) -> str:
 
 
 async def scrape(session: aiohttp.ClientSession, url: str, timeout_s: float) -> WorkerStats | None:
-    """The worker's load gauges, or None when /metrics cannot be read."""
+    """The worker's load gauges and its work accounting, or None when /metrics cannot be read."""
+    sent_at = time.monotonic()
     body = await _get_ok(session, url + "/metrics", timeout_s)
+    received_at = time.monotonic()
     if body is None:
         return None
-    values: dict[str, float] = {}
+    values: dict[str, float] = {}  # a family's samples summed (a counter's without its _total)
+    by_mode: dict[str, float] = {}  # the labelled counters, per "name/mode"
     for family in text_string_to_metric_families(_lines_read(body.decode())):
-        if family.type in ("gauge", "counter"):
-            values[family.name] = sum(s.value for s in family.samples if not s.name.endswith("_created"))
+        if family.type not in ("gauge", "counter"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            values[family.name] = values.get(family.name, 0.0) + sample.value
+            if "mode" in sample.labels:
+                key = f"{family.name}/{sample.labels['mode']}"
+                by_mode[key] = by_mode.get(key, 0.0) + sample.value
+    running = int(values.get("sglang:num_running_reqs", 0))
+    accounting = None
+    if "sglang:scheduler_idle_seconds" in values:
+        accounting = Accounting(
+            decode_passes=sum(n for key, n in by_mode.items() if key.startswith("sglang:cuda_graph_passes/decode")),
+            prefill_passes=sum(n for key, n in by_mode.items() if key.startswith("sglang:cuda_graph_passes/prefill")),
+            decode_tokens=by_mode.get("sglang:realtime_tokens/decode", 0.0),
+            prefill_tokens=by_mode.get("sglang:realtime_tokens/prefill_compute", 0.0),
+            cached_tokens=by_mode.get("sglang:realtime_tokens/prefill_cache", 0.0),
+            idle_s=values["sglang:scheduler_idle_seconds"],
+            running_requests=running,
+            decode_context_tokens=int(values.get("sglang:decode_sum_seq_lens", 0)),
+            sent_at=sent_at,
+            received_at=received_at,
+        )
     return WorkerStats(
-        running_requests=int(values.get("sglang:num_running_reqs", 0)),
+        running_requests=running,
         queued_requests=int(values.get("sglang:num_queue_reqs", 0)),
         token_usage=values.get("sglang:token_usage", 0.0),
         gen_throughput_tok_s=values.get("sglang:gen_throughput", 0.0),
         used_tokens=int(values.get("sglang:num_used_tokens", 0)),
         prompt_tokens_total=values.get("sglang:prompt_tokens", 0.0),
         generation_tokens_total=values.get("sglang:generation_tokens", 0.0),
+        accounting=accounting,
     )
