@@ -136,6 +136,8 @@ class Board:
                     "capacity_tok_s": site.capacity_tok_s,
                     "prior_capacity_tok_s": site.prior_capacity_tok_s,
                     "capacity_evidence": site.capacity_evidence,
+                    "clock_speed": site.clock_speed,  # the time base both capacities are in (1: real GPUs)
+                    "agent_ceiling_tok_s": site.agent_ceiling_tok_s,
                     "tok_s": self.timeline[-1].tok_s.get(name, 0.0) if self.timeline else None,
                     "token_share": rates.get(name, 0.0) / total_rate if total_rate else None,
                     "capacity_share": serving[name] / total_capacity if total_capacity else None,

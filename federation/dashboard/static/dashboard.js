@@ -64,6 +64,13 @@ function regionRow(region, gatewayRegion) {
   return row;
 }
 
+// Measured / declared are both in the site's clock: real GPUs' (1), or an emulated site's --speed.
+function capacityNote(site) {
+  const notes = [`evidence: ${site.capacity_evidence || "—"}`, `clock: ×${site.clock_speed}`];
+  if (site.agent_ceiling_tok_s > 0) notes.push(`agent at its CPU ceiling: ${number(site.agent_ceiling_tok_s)} tok/s`);
+  return notes.join(" · ");
+}
+
 function siteRow(site) {
   const row = element("tr", null, { "data-site": site.name });
   const cells = siteCells(site);
@@ -72,7 +79,7 @@ function siteRow(site) {
     if (field === "site") cell.appendChild(element("span", null, { class: "swatch" })).style.background = siteColor(site.name);
     cell.append(cells[field]);
     if (field === "state") cell.className = `state-${site.state}`;
-    if (field === "capacity") cell.title = `evidence: ${site.capacity_evidence || "—"}`;
+    if (field === "capacity") cell.title = capacityNote(site);
   }
   return row;
 }
