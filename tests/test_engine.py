@@ -86,6 +86,45 @@ async def test_full_kv_pool_retracts_and_everyone_finishes(run_engine) -> None:
     assert engine.kv_used_tokens() == 0 and not engine.running
 
 
+class _Kept:
+    """An engine listener that keeps the stretches it is given."""
+
+    def __init__(self) -> None:
+        self.stretches: list[Stretch] = []
+
+    def on_first_token(self, seq: Sequence) -> None:
+        pass
+
+    def on_finish(self, seq: Sequence) -> None:
+        pass
+
+    def on_stretch(self, stretch: Stretch) -> None:
+        self.stretches.append(stretch)
+
+
+async def test_listener_gets_every_step_with_its_shape(run_engine) -> None:
+    """Every step reaches the listener once, in a stretch whose shape says what it did, through
+    retractions and mixed steps: the steps add up to the engine's; the prompt chunks to the
+    prompts plus the retracted requests' replays, which are counted apart; the batches decoded
+    (by decode and mixed steps alike) plus one token per completed prefill to every token made."""
+    kept = _Kept()
+    engine = run_engine(PROFILES["mi300x"], speed=500.0, kv_capacity_tokens=40_000, listener=kept)
+    loop = asyncio.get_running_loop()
+    seqs = [_seq(500, 3000, loop.time()) for _ in range(16)]
+    for s in seqs:
+        engine.submit(s)
+    await asyncio.wait_for(asyncio.gather(*(s.done for s in seqs)), 30)
+    shapes = [(st.k_max, st.shape) for st in kept.stretches]
+    assert engine.retractions > 0 and sum(shape.retracted for _, shape in shapes) == engine.retractions
+    assert sum(k for k, _ in shapes) == engine.steps_done()
+    assert all(k == 1 for k, shape in shapes if shape.prefill_tokens)
+    prefilled = sum(shape.prefill_tokens for _, shape in shapes)
+    replayed = sum(shape.reprocessed_tokens for _, shape in shapes)
+    assert prefilled - replayed == 16 * 500 and replayed > 0
+    decoded = sum(k * shape.batch for k, shape in shapes)
+    assert decoded + len(seqs) + engine.retractions == engine.emitted_tokens_total() == 16 * 3000
+
+
 async def test_abort_frees_the_slot(run_engine) -> None:
     """An aborted request ends at once with the tokens it had, and its slot admits the next one."""
     engine = run_engine(PROFILES["mi355x"], speed=50.0, max_running_requests=1)

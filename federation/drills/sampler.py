@@ -47,6 +47,7 @@ class Sample:
     site_tokens: dict[str, float]  # cumulative output tokens relayed, by site
     capacity_tok_s: dict[str, float]  # measured (wall time), 0 for a site taking no new work; {}: unknown
     outstanding_requests: dict[str, int]  # in flight at each site, as the scheduler counts them
+    status: dict[str, str] = field(default_factory=dict)  # each site's status label (ready, down, ...)
 
 
 def site_tokens(counts: dict[str, float]) -> dict[str, float]:
@@ -91,5 +92,6 @@ class SiteTokenSampler:
                     name: s.capacity_tok_s if s.status is SiteStatus.READY else 0.0 for name, s in states.items()
                 }
                 outstanding = {name: s.outstanding_requests for name, s in states.items()}
-                self.samples.append(Sample(at, site_tokens(counts), capacities, outstanding))
+                status = {name: s.status.label for name, s in states.items()}
+                self.samples.append(Sample(at, site_tokens(counts), capacities, outstanding, status))
             self._stop.wait(max(0.0, SAMPLE_INTERVAL_S - (time.monotonic() - asked)))

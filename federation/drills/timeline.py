@@ -7,8 +7,10 @@ emulator's `--speed` does not slow. Throughput and TTFT are GPU time, as in `fed
 
 Tokens come from the gateway's per-site counter, sampled through the drill (`sampler.py`):
 each sample's increase is spread over the time since the one before, and credited to the site
-that generated the tokens. TTFT comes from the clients; capacities and requests in flight from
-the schedulers, sampled alongside.
+that generated the tokens. TTFT comes from the clients; capacities, statuses and requests in
+flight from the schedulers, sampled alongside; each site's true capacity from the drill
+(`federation.bench.truth`), at each bin's middle, to compare the estimates with
+(`capacity_errors`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,14 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from federation.bench.client import Result
+from federation.bench.truth import TruthLine, relative_error
 from federation.drills.sampler import Sample
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 BIN_S = 1.0  # wall seconds per bin
 
@@ -37,6 +44,9 @@ class Timeline:
     ttft_p99_ms: list[float | None]
     capacity: dict[str, list[float | None]]  # measured, GPU tok/s, mean of the bin's samples
     outstanding: dict[str, list[float | None]]  # requests in flight, mean of the bin's samples
+    # True where every sample of the bin saw the site READY (taking new work); None: no sample
+    ready: dict[str, list[bool | None]] = field(default_factory=dict)
+    truth: dict[str, list[float | None]] = field(default_factory=dict)  # true capacity, GPU tok/s (`set_truth`)
     marks: dict[str, float] = field(default_factory=dict)  # label -> t (wall s from the fault)
 
     def t(self, i: int) -> float:
@@ -66,6 +76,32 @@ class Timeline:
 
     def outstanding_means(self, t0: float, t1: float) -> dict[str, float]:
         return self._means(self.outstanding, t0, t1)
+
+    def truth_means(self, t0: float, t1: float) -> dict[str, float]:
+        return self._means(self.truth, t0, t1)
+
+    def set_truth(self, truth: TruthLine) -> None:
+        """Each site's true capacity at each bin's middle (None before the site has one)."""
+        self.truth = {site: [truth.at(site, self.t(i)) for i in range(len(self.tokens))] for site in truth.sites}
+
+    def capacity_errors(self, windows: Sequence[tuple[float, float]]) -> dict[str, dict[str, float | int]]:
+        """Per site, the relative error of its measured capacity against its truth
+        (`truth.relative_error`) over the bins of `windows` (wall s from the fault) where it was
+        READY throughout and its truth is above 0; a site with no such bin is left out."""
+        out = {}
+        for site, values in self.capacity.items():
+            ready, truth = self.ready.get(site, []), self.truth.get(site, [])
+            pairs = [
+                (estimate, actual)
+                for t0, t1 in windows
+                for i in self._bins(t0, t1)
+                if i < len(ready) and ready[i] and i < len(truth)
+                if (estimate := values[i]) is not None and (actual := truth[i]) is not None
+            ]
+            error = relative_error(pairs)
+            if error is not None:
+                out[site] = error
+        return out
 
     def _means(self, series: dict[str, list[float | None]], t0: float, t1: float) -> dict[str, float]:
         out = {}
@@ -139,7 +175,18 @@ def build(results: Sequence[Result], samples: Sequence[Sample], fault_at: float,
     p99 = [sorted(v)[min(len(v) - 1, math.ceil(0.99 * len(v)) - 1)] if v else None for v in ttfts]
     capacity = _bin_means([{k: v / speed for k, v in s.capacity_tok_s.items()} for s in samples], samples, index, n)
     outstanding = _bin_means([s.outstanding_requests for s in samples], samples, index, n)
-    return Timeline(start_s, speed, tokens, site_tokens, p99, capacity, outstanding)
+    return Timeline(start_s, speed, tokens, site_tokens, p99, capacity, outstanding, _bin_ready(samples, index, n))
+
+
+def _bin_ready(samples: Sequence[Sample], index: Callable[[float], int], n: int) -> dict[str, list[bool | None]]:
+    """Per site and bin, whether every sample in it saw the site READY (None where none was taken)."""
+    ready: dict[str, list[bool | None]] = defaultdict(lambda: [None] * n)
+    for sample in samples:
+        i = index(sample.at)
+        if 0 <= i < n:
+            for site, status in sample.status.items():
+                ready[site][i] = status == "ready" and ready[site][i] is not False
+    return dict(ready)
 
 
 def _bin_means(
@@ -168,6 +215,17 @@ def _spread(amount: float, a: float, b: float, bins: list[float]) -> None:
 
 
 def plot(timeline: Timeline, title: str, path: Path) -> None:
+    fig = figure(timeline, title)  # picks the backend before pyplot is imported
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def figure(timeline: Timeline, title: str) -> Figure:
+    """The drill's four panels: throughput, p99 TTFT, shares, and each site's capacity as
+    measured (solid) beside its truth (dashed, the same colour); the caller closes it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -176,25 +234,31 @@ def plot(timeline: Timeline, title: str, path: Path) -> None:
     xs = [timeline.t(i) for i in range(len(timeline.tokens))]
     fig, (ax1, ax2, ax3, ax4) = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
     bins = range(len(xs))
+    sites = sorted(set(timeline.site_tokens) | set(timeline.capacity) | set(timeline.truth))
+    colors = {site: f"C{i}" for i, site in enumerate(sites)}  # a site's colour in every panel
     ax1.plot(xs, [timeline.gpu_rate(i) / 1000 for i in bins], color="black", label="federation")
     for site, values in sorted(timeline.site_tokens.items()):
-        ax1.plot(xs, [timeline.gpu_rate(i, values) / 1000 for i in bins], label=site)
+        ax1.plot(xs, [timeline.gpu_rate(i, values) / 1000 for i in bins], color=colors[site], label=site)
     ax1.set_ylabel("output k tok/s (GPU time)")
     ax1.legend(loc="upper right", fontsize=8)
     ax2.plot(xs, [v if v is not None else float("nan") for v in timeline.ttft_p99_ms], color="tab:red")
     ax2.set_ylabel("p99 TTFT (GPU ms)")
     totals = [sum(v[i] for v in timeline.site_tokens.values()) for i in range(len(xs))]
     for site, values in sorted(timeline.site_tokens.items()):
-        ax3.plot(xs, [v / t if t else float("nan") for v, t in zip(values, totals, strict=True)], label=site)
+        shares = [v / t if t else float("nan") for v, t in zip(values, totals, strict=True)]
+        ax3.plot(xs, shares, color=colors[site], label=site)
     capacity_totals = [sum(v[i] or 0.0 for v in timeline.capacity.values()) for i in range(len(xs))]
-    for color, (site, values) in enumerate(sorted(timeline.capacity.items())):
+    for site, values in sorted(timeline.capacity.items()):
         shares = [v / t if v is not None and t else float("nan") for v, t in zip(values, capacity_totals, strict=True)]
-        ax3.plot(xs, shares, linestyle=":", color=f"C{color}", label=f"{site} measured capacity")
-        ax4.plot(xs, [v / 1000 if v is not None else float("nan") for v in values], color=f"C{color}", label=site)
+        ax3.plot(xs, shares, linestyle=":", color=colors[site], label=f"{site} measured capacity")
+        ax4.plot(xs, [v / 1000 if v is not None else float("nan") for v in values], color=colors[site], label=site)
+    for site, values in sorted(timeline.truth.items()):
+        truth = [v / 1000 if v is not None else float("nan") for v in values]
+        ax4.plot(xs, truth, linestyle="--", color=colors[site], label=f"{site} true")
     ax3.set_ylabel("share of tokens")
     ax3.set_ylim(0, 1)
     ax3.legend(loc="upper right", fontsize=8)
-    ax4.set_ylabel("measured capacity\nk tok/s (GPU time)")
+    ax4.set_ylabel("capacity, measured\nand true (dashed)\nk tok/s (GPU time)")
     ax4.legend(loc="upper right", fontsize=8)
     ax4.set_xlabel("seconds from the fault")
     for ax in (ax1, ax2, ax3, ax4):
@@ -204,6 +268,4 @@ def plot(timeline: Timeline, title: str, path: Path) -> None:
                 ax.annotate(label, (t, ax.get_ylim()[1]), fontsize=8, rotation=90, va="top")
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -1,0 +1,100 @@
+"""The truth drills and benches measure the capacity estimator against, and the measurement:
+a site's truth by hand, the error taken only where it means something, the PNG's truth lines.
+Nothing here asserts the estimator's accuracy: the real drills measure that."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from federation.bench.client import Result
+from federation.bench.truth import TruthLine, relative_error, site_truth_tok_s, workload_of
+from federation.bench.workload import MLPERF_LIKE_OUTPUTS, MLPERF_LIKE_PROMPTS, LengthDistribution
+from federation.drills import timeline
+from federation.drills.sampler import Sample
+from scheduler.workload import REFERENCE, Workload
+
+
+def test_a_sites_truth_by_hand() -> None:
+    """Two MI355X on 1,000-token prompts and 200-token answers (fixed): 5 prompt tokens per
+    output token, 1,000 + 200/2 = 1,100 of KV per request, so the 1,024 slots bind (the KV pool
+    holds 2,781 such requests): a step is 5.1 + 0.057·1024 + 0.0029·1024·1.1 + 0.0097·1024·5 =
+    116.39856 ms, 8,797.36 tok/s a GPU; a 4x brownout, a quarter of two. Prompts of 8,000 and
+    answers of 2,000 hold 9,000 each: the KV pool binds at 340, a 46.546-ms step."""
+    work = workload_of(LengthDistribution(1000, 0.0), LengthDistribution(200, 0.0))
+    assert work == Workload(5.0, 1100.0)
+    assert site_truth_tok_s("mi355x", 2, work) == pytest.approx(2 * 1000 * 1024 / 116.39856)
+    assert site_truth_tok_s("mi355x", 2, work, slowdown=4.0) == pytest.approx(1000 * 1024 / 116.39856 / 2)
+    long = workload_of(LengthDistribution(8000, 0.0), LengthDistribution(2000, 0.0))
+    assert site_truth_tok_s("mi355x", 1, long) == pytest.approx(1000 * 340 / 46.546)
+
+
+def test_a_log_normal_workload_is_read_as_the_scheduler_reads_its_reference() -> None:
+    """MLPerf-like lengths (log-normal answers, σ 0.8) give the scheduler's own REFERENCE shape:
+    the drills' truth and the estimator's workload are the same arithmetic."""
+    work = workload_of(MLPERF_LIKE_PROMPTS, MLPERF_LIKE_OUTPUTS)
+    assert work.prompt_per_output == pytest.approx(REFERENCE.prompt_per_output)
+    assert work.context_per_request == pytest.approx(REFERENCE.context_per_request)
+
+
+def test_relative_error_skips_a_truth_of_zero() -> None:
+    """|estimate − truth| / truth, its mean and max; a truth of 0 (a site that cannot work) is
+    not counted, and nothing counted is None."""
+    assert relative_error([(110.0, 100.0), (80.0, 100.0), (5.0, 0.0)]) == {"mean": 0.15, "max": 0.2, "bins": 2}
+    assert relative_error([(5.0, 0.0)]) is None
+
+
+def test_capacity_error_counts_ready_bins_with_a_truth_in_its_windows() -> None:
+    """From samples as the drill takes them (a site not READY sampled at 0): the error is taken
+    over the before window and from 10 s after the fault, only in bins where the site was READY
+    in every sample and its truth is above 0, with the wall estimate read in GPU time (÷ speed).
+    Site a: 10 % high before, 20 % low after, wild in between and in a bin half DOWN; site b
+    crashes at the fault (truth 0, DOWN): only its exact before bins count."""
+    speed, fault_at = 0.5, 100.0
+    truth = TruthLine()
+    truth.set("a", -math.inf, 1000.0)
+    truth.set("b", -math.inf, 2000.0)
+    truth.set("b", 0.0, 0.0)
+    samples = []
+    for k in range(36):  # every 0.5 s from 4 s before the fault to 14 s after
+        at = fault_at - 4.0 + 0.25 + 0.5 * k
+        t = at - fault_at
+        a = 1100.0 if t < 0 else 800.0 if t >= 10 else 9000.0
+        a_status = "down" if 11.0 <= t < 11.5 else "ready"
+        b_status = "ready" if t < 0 else "down"
+        capacity = {"a": a * speed if a_status == "ready" else 0.0, "b": 2000.0 * speed if t < 0 else 0.0}
+        samples.append(Sample(at, {}, capacity, {}, {"a": a_status, "b": b_status}))
+    results = [Result(0, fault_at - 4.0, None, fault_at - 3.0, 0, "a")]
+    line = timeline.build(results, samples, fault_at, speed, fault_at + 14.0)
+    line.set_truth(truth)
+    assert line.ready["a"][line._bins(11.0, 12.0)[0]] is False
+    errors = line.capacity_errors([(-2.0, 0.0), (10.0, 13.0)])
+    assert errors == {"a": {"mean": 0.15, "max": 0.2, "bins": 4}, "b": {"mean": 0.0, "max": 0.0, "bins": 2}}
+
+
+def test_the_png_draws_each_sites_truth_dashed_in_its_estimates_colour() -> None:
+    """The capacity panel has, beside each site's measured capacity, its truth: dashed, the
+    same colour, in k tok/s (a site's truth drawn where it has none as a gap)."""
+    line = timeline.Timeline(
+        -2.0, 1.0, [0.0] * 4, {"a": [0.0] * 4, "b": [0.0] * 4}, [None] * 4,
+        {"a": [900.0, 1000.0, None, 1100.0], "b": [0.0] * 4}, {},
+    )  # fmt: skip
+    truth = TruthLine()
+    truth.set("a", -math.inf, 1000.0)
+    truth.set("b", 0.0, 3000.0)
+    line.set_truth(truth)
+    fig = timeline.figure(line, "test")
+    try:
+        capacity_panel = fig.axes[3]
+        lines = {ln.get_label(): ln for ln in capacity_panel.get_lines()}
+        for site in ("a", "b"):
+            assert lines[f"{site} true"].get_linestyle() == "--"
+            assert lines[f"{site} true"].get_color() == lines[site].get_color()
+        assert list(lines["a true"].get_ydata()) == [1.0] * 4
+        b = list(lines["b true"].get_ydata())
+        assert math.isnan(b[0]) and math.isnan(b[1]) and b[2:] == [3.0, 3.0]
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
