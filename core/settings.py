@@ -46,7 +46,7 @@ class AgentTimings:
     reconnect_base_s: Seconds = 0.2  # the reporter's first wait before registering again
     reconnect_max_s: Seconds = 1.0  # and its longest: a site back from a partition rejoins within it
     register_timeout_s: Seconds = 5.0
-    loop_tick_s: Seconds = 0.05  # the agent's loop hands its load to the reporter this often (a step overrun too)
+    loop_tick_s: Seconds = 0.05  # the agent's loop hands its load to the reporter this often (lost workers too)
     late_report_s: Seconds = 0.75  # a gap this long between reports is logged (the heartbeat is 1 s)
     loop_stall_limit_s: Seconds = 5.0  # a loop silent this long is stuck: the reporter stops, the site goes down
     scheduler_ping_s: Seconds = 1.0  # a ping a scheduler leaves unanswered this long: its link is dead (> round trip)

@@ -122,7 +122,6 @@ class SiteReport:
     prompt_tokens_total: int = 0  # of the requests the workers finished since the agent started
     generation_tokens_total: int = 0
     delivered_tok_s: float = 0.0  # output tokens/s the agent relayed, over recent seconds
-    step_age_s: float = 0.0  # how long the step in progress has run at the busy workers (see the proto)
     loading_workers: int = 0  # starting: loading their model, or the join probe still running
     work: WorkDone = WorkDone()  # the workers' own accounting, cumulative (see the proto)
     accounting_workers: int = 0  # healthy workers whose /metrics carry it

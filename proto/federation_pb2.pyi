@@ -85,7 +85,7 @@ class Registered(_message.Message):
     def __init__(self, site: _Optional[str] = ..., prior_capacity_tok_s: _Optional[float] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
 
 class SiteReport(_message.Message):
-    __slots__ = ("site", "healthy_workers", "total_workers", "running_requests", "queued_requests", "kv_usage", "gen_throughput_tok_s", "outstanding_requests", "outstanding_tokens", "slots", "context_tokens", "received_ids", "prompt_tokens_total", "generation_tokens_total", "delivered_tok_s", "step_age_s", "loading_workers", "work", "accounting_workers", "loop_cpu_s", "relayed_tokens_total")
+    __slots__ = ("site", "healthy_workers", "total_workers", "running_requests", "queued_requests", "kv_usage", "gen_throughput_tok_s", "outstanding_requests", "outstanding_tokens", "slots", "context_tokens", "received_ids", "prompt_tokens_total", "generation_tokens_total", "delivered_tok_s", "loading_workers", "work", "accounting_workers", "loop_cpu_s", "relayed_tokens_total")
     SITE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_WORKERS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -101,7 +101,6 @@ class SiteReport(_message.Message):
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_TOK_S_FIELD_NUMBER: _ClassVar[int]
-    STEP_AGE_S_FIELD_NUMBER: _ClassVar[int]
     LOADING_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORK_FIELD_NUMBER: _ClassVar[int]
     ACCOUNTING_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -122,13 +121,12 @@ class SiteReport(_message.Message):
     prompt_tokens_total: int
     generation_tokens_total: int
     delivered_tok_s: float
-    step_age_s: float
     loading_workers: int
     work: WorkDone
     accounting_workers: int
     loop_cpu_s: float
     relayed_tokens_total: int
-    def __init__(self, site: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., slots: _Optional[int] = ..., context_tokens: _Optional[int] = ..., received_ids: _Optional[_Iterable[str]] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., delivered_tok_s: _Optional[float] = ..., step_age_s: _Optional[float] = ..., loading_workers: _Optional[int] = ..., work: _Optional[_Union[WorkDone, _Mapping]] = ..., accounting_workers: _Optional[int] = ..., loop_cpu_s: _Optional[float] = ..., relayed_tokens_total: _Optional[int] = ...) -> None: ...
+    def __init__(self, site: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., slots: _Optional[int] = ..., context_tokens: _Optional[int] = ..., received_ids: _Optional[_Iterable[str]] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., delivered_tok_s: _Optional[float] = ..., loading_workers: _Optional[int] = ..., work: _Optional[_Union[WorkDone, _Mapping]] = ..., accounting_workers: _Optional[int] = ..., loop_cpu_s: _Optional[float] = ..., relayed_tokens_total: _Optional[int] = ...) -> None: ...
 
 class WorkDone(_message.Message):
     __slots__ = ("busy_s", "passes", "decode_seqs", "context_ktokens", "prefill_tokens", "cached_tokens")

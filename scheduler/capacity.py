@@ -25,11 +25,6 @@ Bounded twice:
   tokens than it does per CPU-second, so the site's capacity is capped there
   (`agent_ceiling_tok_s`), whatever its GPUs could give.
 
-And one that does not wait for the accounting: a busy site whose step in progress has run
-1.75 times as long as its recent steps (`core.pace`) is running slower now; while a step
-overruns, the capacity is cut to recent step / age (`step_factor`), and the cut ends with the
-step, the evidence above taking over.
-
 The estimate is kept per healthy worker, so a site that loses workers loses that share at
 once. It is kept for the reference workload the priors were measured on (MLPerf-like) and
 scaled, when asked, to the workload the federation runs now (`scheduler.workload`): the GPU
@@ -41,7 +36,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from core import pace
 from core.gpus import PROFILES, GpuProfile
 from core.wire import SiteReport, WorkDone
 from scheduler.workload import REFERENCE, Workload, WorkloadMix
@@ -65,9 +59,6 @@ MAX_STEP_S = 2.0  # a long gap between reports must not count as a long observat
 # The fallback without accounting: a site saturated this long delivers its capacity (the rate
 # its agent relayed is averaged over its last 5 s, nodes.agent.delivered).
 SETTLE_S = 5.0
-# Below this many requests per worker the step is mostly fixed cost and launch jitter: a step
-# overrun is not read there.
-MIN_BATCH_PER_WORKER = 8.0
 # Full: a site holding this much of its slots' worth of requests (decoding, prefilling or
 # waiting at its workers), or using this much of its KV cache.
 FULL_FRACTION = 0.95
@@ -130,12 +121,8 @@ class CapacityEstimator:
     clock_speed: float = 1.0  # the site's declared clock (1: real GPUs)
     mix: WorkloadMix | None = None  # the federation's workload; None: the reference one
     evidence: str = "prior"  # what the estimate last moved on: prior, probe, accounting, saturated
-    busy_for_s: float = 0.0
     saturated_for_s: float = 0.0
     above_for_s: float = 0.0  # how long the evidence has stood above the fast bound
-    # While the step in progress overruns the site's pace: the share of its pace it runs at now
-    # (recent step / step so far, core.pace). 1 otherwise.
-    step_factor: float = 1.0
     agent_ceiling_tok_s: float = 0.0  # what the agent relays at most, while at its ceiling (0: not)
     workers: int = 0  # as last reported: with the GPUs, how many GPUs one worker spans
     _work: WorkDone | None = None  # the last report's cumulative accounting
@@ -191,10 +178,6 @@ class CapacityEstimator:
         if healthy <= 0 or total <= 0 or dt_s <= 0:
             return
         self.workers = total
-        busy = report.running_requests / healthy >= MIN_BATCH_PER_WORKER
-        self.busy_for_s = self.busy_for_s + dt_s if busy else 0.0
-        # Read only once busy and settled: a site filling up runs long steps.
-        self.step_factor = pace.overrun_factor(report) if self.busy_for_s >= SETTLE_S else 1.0
         self._learn_agent(report, dt_s)
         if not self._learn_work(report.work, dt_s) and not report.accounting_workers:
             self._learn_saturation(report, dt_s)
@@ -261,15 +244,9 @@ class CapacityEstimator:
         at_ceiling = self._loop_cpu_s >= AGENT_BUSY * self._loop_wall_s > 0
         self.agent_ceiling_tok_s = self._relayed / self._loop_cpu_s if at_ceiling else 0.0
 
-    @property
-    def overdue(self) -> bool:
-        return self.step_factor < 1.0
-
     def shown_evidence(self, healthy_workers: int, total_workers: int) -> str:
-        """What the capacity rests on now: `overdue` while a step overruns, `agent_ceiling` while
-        the agent caps it, else what the estimate last moved on."""
-        if self.overdue:
-            return "overdue"
+        """What the capacity rests on now: `agent_ceiling` while the agent caps it, else what the
+        estimate last moved on."""
         if 0.0 < self.agent_ceiling_tok_s < self._gpu_capacity_tok_s(healthy_workers, total_workers):
             return "agent_ceiling"
         return self.evidence
@@ -281,7 +258,7 @@ class CapacityEstimator:
         return self.profile.rho_ms / 1000.0 * self.declared_model_tok_s / self.full_site_tok_s
 
     def _gpu_capacity_tok_s(self, healthy_workers: int, total_workers: int) -> float:
-        full = self.full_site_tok_s * self.workload_factor() * self.step_factor
+        full = self.full_site_tok_s * self.workload_factor()
         return full if total_workers <= 0 else full * healthy_workers / total_workers
 
     def capacity_tok_s(self, healthy_workers: int, total_workers: int) -> float:

@@ -45,7 +45,9 @@ class SitesCollector(Collector):
                 "What the site's agent can relay while its loop runs at a whole core and caps the site's "
                 "capacity, output tokens/s (0: not at its ceiling).",
             ),
-            "clock_speed": gauge("clock_speed", "The site's declared clock: 1 for real GPUs, an emulated site's speed."),
+            "clock_speed": gauge(
+                "clock_speed", "The site's declared clock: 1 for real GPUs, an emulated site's speed."
+            ),
             "admit_window": gauge("admit_window", "Slow start: the slots routing may fill (0: all)."),
             "slots": gauge("slots", "Running-request slots of the site's workers."),
             "last_report_age_s": gauge("report_age_seconds", "Since the site's last report (-1: none yet)."),

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from core import pace
 from core.policy import SiteLoad
 from core.recipes import DEFAULT_RECIPES
 from core.settings import SchedulerTimings
@@ -50,7 +49,6 @@ class Site:
     _status: SiteStatus = SiteStatus.JOINING
     status_since: float = field(default_factory=time.monotonic)
     workers_since: float = 0.0  # when healthy_workers last changed (0: never reported)
-    overdue_since: float = 0.0  # when a step last began to overrun the site's pace (0: never)
     last_report_at: float = 0.0
     report: SiteReport | None = None
     outstanding_requests: int = 0
@@ -160,17 +158,7 @@ class Registry:
         site = self.get(report.site)
         self.workload.observe(report, now)
         if site.last_report_at:
-            was_overdue = site.estimator.overdue
             site.estimator.observe(report, now - site.last_report_at)
-            if site.estimator.overdue and not was_overdue:
-                site.overdue_since = now
-                log.info(
-                    "site.step_overrun",
-                    site=report.site,
-                    step_age_s=round(report.step_age_s, 3),
-                    recent_step_s=round(pace.recent_step_s(report), 3),
-                    capacity_factor=round(site.estimator.step_factor, 3),
-                )
         if site.report is None or site.report.healthy_workers != report.healthy_workers:
             site.workers_since = now
         site.report = report
@@ -283,7 +271,6 @@ class Registry:
             prefill_s_per_token=s.estimator.prefill_s_per_token(),
             status_age_s=now - s.status_since,
             workers_age_s=now - s.workers_since if s.workers_since else -1.0,
-            overdue_age_s=now - s.overdue_since if s.overdue_since else -1.0,
             checkpoint=r.checkpoint,
             weight_format=r.weight_format,
             loading_workers=s.report.loading_workers if s.report else 0,

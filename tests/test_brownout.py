@@ -1,11 +1,10 @@
-"""A site whose GPUs slow down mid-load is cut by the schedulers while its first slow step
-overruns the site's pace, before any token of that step arrives: a brownout seen as it
-happens, not once the slow tokens have dragged the measured rate down."""
+"""A site whose GPUs slow down mid-load loses its capacity within seconds, and gets it back when
+they recover: its workers' own accounting says their passes take longer, however the agent
+reads their tokens (scheduler/capacity.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import aiohttp
 import pytest
@@ -15,8 +14,10 @@ from federation import admin
 from federation.drills.faults import poll_until
 
 SITE = "us-mi355x"
-STREAMS = 64  # ~12 a US worker (most go there): busy (the estimator reads steps from 8 a worker)
-BUSY_S = 8.0  # past the estimator's 5 s of settling
+STREAMS = 64  # most go to the US site: every worker busy
+BUSY_S = 8.0  # the accounting's first seconds read, and settled
+SLOWDOWN = 4.0
+SEEN_WITHIN_S = 10.0
 
 
 def _site(fed) -> wire.SiteState:
@@ -32,11 +33,11 @@ async def _faults(http: aiohttp.ClientSession, urls: list[str], **faults: float)
 
 
 @pytest.mark.timeout(120)
-async def test_a_step_that_overruns_cuts_the_sites_capacity_at_once(make_federation, http) -> None:
-    """The US site runs ~50 streams at a steady, slow pace (its GPUs 10 times slower); then its
-    steps slow 100-fold: within 2 s the schedulers say its step overran (`overdue_age_s`) and
-    its capacity is cut far below what it was, though not one token of the slow step has come.
-    Back to its pace, the cut ends with that step."""
+async def test_a_brownout_is_seen_within_seconds_and_so_is_its_end(make_federation, http) -> None:
+    """The US site runs ~50 streams at a steady pace (its GPUs 10 times slower than real, so a pass
+    outlasts several of the agent's timer ticks); then its GPUs slow 4-fold: within 10 s the
+    schedulers' capacity for it is under half what it was, from its workers' accounting. Back
+    to their pace, within 10 s it is back too."""
     fed, _ = make_federation(faults=True, speed=1)
     site = next(s for s in fed.config.sites if s.name == SITE)
     urls = [f"http://{fed.config.host}:{site.worker_port + i}" for i in range(site.gpus)]
@@ -53,17 +54,17 @@ async def test_a_step_that_overruns_cuts_the_sites_capacity_at_once(make_federat
     try:
         await asyncio.sleep(BUSY_S)
         before = _site(fed)
-        assert before.overdue_age_s < 0 and before.capacity_tok_s > 0, before
-        await _faults(http, urls, slowdown=1000)
-        slowed_at = time.monotonic()
-        seen_s = await asyncio.to_thread(poll_until, lambda: _site(fed).overdue_age_s >= 0, 10.0)
-        assert seen_s is not None and seen_s < 2.0, seen_s
-        cut = _site(fed)
-        assert cut.capacity_tok_s < 0.5 * before.capacity_tok_s, (before.capacity_tok_s, cut.capacity_tok_s)
-        assert cut.overdue_age_s <= time.monotonic() - slowed_at
-        await _faults(http, urls, slowdown=10)  # the slow step in progress still ends first
-        ended_s = await asyncio.to_thread(poll_until, lambda: _site(fed).capacity_evidence != "overdue", 20.0)
-        assert ended_s is not None, repr(_site(fed))
+        assert before.capacity_evidence == "accounting" and before.capacity_tok_s > 0, before
+        await _faults(http, urls, slowdown=10 * SLOWDOWN)
+        cut_s = await asyncio.to_thread(
+            poll_until, lambda: _site(fed).capacity_tok_s < 0.5 * before.capacity_tok_s, SEEN_WITHIN_S
+        )
+        assert cut_s is not None, (before.capacity_tok_s, _site(fed).capacity_tok_s)
+        await _faults(http, urls, slowdown=10)
+        back_s = await asyncio.to_thread(
+            poll_until, lambda: _site(fed).capacity_tok_s > 0.8 * before.capacity_tok_s, SEEN_WITHIN_S
+        )
+        assert back_s is not None, (before.capacity_tok_s, _site(fed).capacity_tok_s)
     finally:
         for t in tasks:
             t.cancel()

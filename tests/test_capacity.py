@@ -6,7 +6,6 @@ reports recorded from real agents over emulated workers)."""
 
 from __future__ import annotations
 
-from core import pace
 from core.gpus import PROFILES, GpuProfile
 from core.wire import SiteReport, WorkDone
 from scheduler.capacity import (
@@ -214,28 +213,6 @@ def test_a_probe_sets_the_starting_point_within_the_bound() -> None:
     assert est.capacity_tok_s(16, 16) < 0.4 * est.prior_tok_s
     est.calibrate(16, 16 * 288, 450e6 / 16)
     assert est.full_site_tok_s == FAST_BOUND * est.declared_model_tok_s
-
-
-def test_a_step_that_overruns_the_sites_pace_cuts_its_capacity_while_it_lasts() -> None:
-    """A busy site at its declared pace, then a step still running after 5 times what that pace
-    predicts (a brownout's first slowed step, whose tokens have not come yet): its capacity is
-    cut to a fifth at once, the estimate the evidence built kept. Under OVERRUN_FACTOR times is
-    no overrun, nor under OVERRUN_MIN_S more (the agent's loop lag), and the cut ends with the
-    step."""
-    est = CapacityEstimator.for_site("mi355x", 16)
-    site = Site(PROFILES["mi355x"])
-    step_s = PROFILES["mi355x"].step_ms(960, 960 * 1200, 0) / 1000
-    site.run(est, 30, batch=960, step_age_s=step_s / 2)
-    before = est.capacity_tok_s(16, 16)
-    short = (0.95 * pace.OVERRUN_FACTOR * step_s, step_s + 0.9 * pace.OVERRUN_MIN_S)  # under each bound
-    for short_of_an_overrun in short:
-        site.run(est, REPORT_S, batch=960, step_age_s=short_of_an_overrun)
-        assert abs(est.capacity_tok_s(16, 16) / before - 1) < 0.01 and not est.overdue
-    site.run(est, REPORT_S, batch=960, step_age_s=5 * step_s)
-    assert est.overdue and abs(est.capacity_tok_s(16, 16) / (before / 5) - 1) < 0.1
-    assert est.shown_evidence(16, 16) == "overdue"
-    site.run(est, REPORT_S, batch=960, step_age_s=step_s / 2)
-    assert not est.overdue and abs(est.capacity_tok_s(16, 16) / before - 1) < 0.02
 
 
 # 1,000-token prompts, 200-token answers: a running request holds ~1,100 tokens on average.

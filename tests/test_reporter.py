@@ -11,7 +11,7 @@ import signal
 import psutil
 import pytest
 
-from core import pace, wire
+from core import wire
 from core.processes import free_port_block, start_python
 from federation.gateway.upstream import Upstream
 from nodes.agent.reporter import _urgent
@@ -54,14 +54,9 @@ async def test_a_hung_reporter_does_not_block_the_agent() -> None:
         emulator.stop()
 
 
-def test_a_step_that_begins_to_overrun_is_reported_at_once() -> None:
-    """The reporter sends at once (not at the next interval) when the snapshot's step begins to
-    overrun the site's recent pace, as when its healthy workers change; a step already
-    overrunning, or a normal one, waits for the interval."""
-    # 1,000 running at 4,000 tok/s: a step every 0.25 s.
-    normal = wire.SiteReport("s", healthy_workers=1, running_requests=1000, delivered_tok_s=4000.0, step_age_s=0.2)
-    overrun = dataclasses.replace(normal, step_age_s=0.6)
-    assert _urgent(normal, overrun)
-    assert not _urgent(overrun, dataclasses.replace(overrun, step_age_s=0.9))
-    assert not _urgent(normal, dataclasses.replace(normal, step_age_s=0.25 + 0.9 * pace.OVERRUN_MIN_S))
-    assert _urgent(normal, dataclasses.replace(normal, healthy_workers=0))
+def test_a_change_of_healthy_workers_is_reported_at_once() -> None:
+    """The reporter sends at once (not at the next interval) when the snapshot's healthy workers
+    differ from the one before; any other change waits for the interval."""
+    normal = wire.SiteReport("s", healthy_workers=4, running_requests=1000, delivered_tok_s=4000.0)
+    assert _urgent(normal, dataclasses.replace(normal, healthy_workers=3))
+    assert not _urgent(normal, dataclasses.replace(normal, running_requests=10, delivered_tok_s=10.0))

@@ -42,6 +42,10 @@ IDLE_FRACTION = 0.2
 # A read this long after the one a stretch would start from starts afresh: the worker's
 # counters over that long say nothing about its speed now.
 MAX_STRETCH_S = 30.0
+# A worker with requests that ends no pass for this long is that slow now (a brownout deep
+# enough, a GPU nearly hung): the stretch closes with the time and no pass, rather than waiting
+# for the pass to end before anything is said.
+LONG_PASS_S = 5.0
 
 
 class WorkMeter:
@@ -76,7 +80,7 @@ class WorkMeter:
         if restarted or span_s > MAX_STRETCH_S or idle_s > IDLE_FRACTION * span_s:
             self._last = now
             return None
-        if passes <= 0:
+        if passes <= 0 and not (span_s >= LONG_PASS_S and now.running_requests):
             return None  # a pass longer than the stretch: the next read spans it
         self._last = now
         sequences = decoded

@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 import grpc
 import structlog
 
-from core import logs, pace, runtime, wire
+from core import logs, runtime, wire
 from core.credential import bearer
 from core.mtls import INSECURE, Tls
 from core.pki import SCHEDULER
@@ -98,19 +98,9 @@ class ReportFeed:
         """A snapshot every tick, handed to the sending thread. Returns if the reporter process
         died: the site can no longer be seen as up, so the agent stops too."""
         assert self._conn is not None, "start() first"
-        loop = asyncio.get_running_loop()
-        late = False
         while not self._dead.is_set():
-            report = self.make_report()
-            if late:
-                # This loop was held up: the events it has not read yet would make the step look
-                # longer than it is (each worker's last event heard is older than its last sent),
-                # by as much as an overrun must exceed a step to count.
-                report = dataclasses.replace(report, step_age_s=0.0)
-            self._offer(report)
-            asleep_at = loop.time()
+            self._offer(self.make_report())
             await asyncio.sleep(self.timings.loop_tick_s)
-            late = loop.time() - asleep_at > self.timings.loop_tick_s + pace.OVERRUN_MIN_S
         log.error("reporter.died", site=self.registration.name)
 
     def _offer(self, report: wire.SiteReport) -> None:
@@ -175,9 +165,8 @@ class Snapshots:
         self.received_at = time.monotonic()
         self._lock = threading.Lock()
         self._unreported: dict[str, list[str]] = {}  # replica address -> request ids
-        # Bumped when a snapshot's healthy workers differ from the one before, or its step begins
-        # to overrun the site's pace: reported at once, not at the next interval (a site losing
-        # workers, or browning out, must be seen within a second).
+        # Bumped when a snapshot's healthy workers differ from the one before: reported at once,
+        # not at the next interval (a site losing workers must be seen within a second).
         self.urgent_version = 0
         self._urgent_changed = threading.Condition(self._lock)
 
@@ -237,8 +226,7 @@ class Snapshots:
 
 def _urgent(before: wire.SiteReport, now: wire.SiteReport) -> bool:
     """A change the schedulers must hear before the next interval."""
-    began_overrun = pace.overrun_factor(now) < 1.0 <= pace.overrun_factor(before)
-    return now.healthy_workers != before.healthy_workers or began_overrun
+    return now.healthy_workers != before.healthy_workers
 
 
 def _reporter_main(
@@ -360,7 +348,7 @@ class Reporter:
 
     def _reports(self, scheduler_address: str, interval_s: float, stub: wire.SchedulerStub, version: int) -> Iterator:
         """One report per interval while the agent's loop is alive, and one at once on an urgent
-        change (its workers' health, a step overrunning); a new registration from the agent is
+        change (its workers' health); a new registration from the agent is
         registered before the next report; ends the stream when we stop."""
         sent_at, seen = time.monotonic(), self.snapshots.urgent_version
         while not self._stop.is_set():

@@ -345,19 +345,8 @@ class SiteAgentService(wire.SiteAgentServicer):
             received_ids=tuple(received),
             prompt_tokens_total=round(self.pool.finished_prompt_tokens),
             generation_tokens_total=round(self.pool.finished_output_tokens),
-            step_age_s=self._step_age_s(),
             work=self.pool.work,
             accounting_workers=self.pool.accounting_count,
             loop_cpu_s=time.thread_time(),  # called on the loop's thread: its CPU, as cpu_clock's "loop"
             relayed_tokens_total=self.delivered.total,
         )
-
-    def _step_age_s(self) -> float:
-        """How long the step in progress has run: the median, over healthy workers with requests
-        and a stream event heard, of the time since their last event (each step sends one per
-        request it decodes). 0 with none such."""
-        now = time.monotonic()
-        ages = sorted(
-            now - w.last_event_at for w in self.pool.workers if w.healthy and w.outstanding_requests and w.last_event_at
-        )
-        return ages[len(ages) // 2] if ages else 0.0
