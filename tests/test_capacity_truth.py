@@ -1,17 +1,25 @@
 """The truth drills and benches measure the capacity estimator against, and the measurement:
-a site's truth by hand, the error taken only where it means something, the PNG's truth lines.
+a site's truth by hand, each drill's truth through its fault, the error taken only where it
+means something, the PNG's truth lines, the CPU starver that never leaves a process stopped.
 Nothing here asserts the estimator's accuracy: the real drills measure that."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 
+from core.config import load
 from federation.bench.client import Result
 from federation.bench.truth import TruthLine, relative_error, site_truth_tok_s, workload_of
 from federation.bench.workload import MLPERF_LIKE_OUTPUTS, MLPERF_LIKE_PROMPTS, LengthDistribution
 from federation.drills import timeline
+from federation.drills.faults import SiteBrownout, SiteJoin, SitePartition, Starver
+from federation.drills.run import _truth
 from federation.drills.sampler import Sample
 from scheduler.workload import REFERENCE, Workload
 
@@ -43,6 +51,29 @@ def test_relative_error_skips_a_truth_of_zero() -> None:
     not counted, and nothing counted is None."""
     assert relative_error([(110.0, 100.0), (80.0, 100.0), (5.0, 0.0)]) == {"mean": 0.15, "max": 0.2, "bins": 2}
     assert relative_error([(5.0, 0.0)]) is None
+
+
+def _config():
+    return load(None)  # the embedded default: kr-mi300x and us-mi355x, 16 GPUs each
+
+
+def test_a_drills_truth_follows_its_fault() -> None:
+    """A brownout divides the hit site's truth by its slowdown from the fault on; a partition
+    takes it to 0 until its heal, then whole again; an added site has one from the fault; the
+    other site keeps its own throughout."""
+    config, work = _config(), workload_of(MLPERF_LIKE_PROMPTS, LengthDistribution(200, 0.3))
+    kr, us = site_truth_tok_s("mi300x", 16, work), site_truth_tok_s("mi355x", 16, work)
+    brownout = SiteBrownout("us-mi355x", None)  # type: ignore[arg-type]  # the truth reads no target
+    brownout.slowdown = 4.0
+    truth = _truth(config, brownout, work, None)
+    assert truth.at("us-mi355x", -5.0) == pytest.approx(us) and truth.at("us-mi355x", 1.0) == pytest.approx(us / 4)
+    assert truth.at("kr-mi300x", -5.0) == truth.at("kr-mi300x", 30.0) == pytest.approx(kr)
+    truth = _truth(config, SitePartition("kr-mi300x", None), work, 20.0)  # type: ignore[arg-type]
+    assert [truth.at("kr-mi300x", t) for t in (-1.0, 0.0, 19.9, 20.0)] == pytest.approx([kr, 0.0, 0.0, kr])
+    joined = load(None)
+    joined = joined.with_gpus({"us-mi355x": 8})  # stands in for a third site: its truth starts at the fault
+    truth = _truth(joined, SiteJoin("us-mi355x", None), work, None)  # type: ignore[arg-type]
+    assert truth.at("us-mi355x", -1.0) is None and truth.at("us-mi355x", 0.5) == pytest.approx(us / 2)
 
 
 def test_capacity_error_counts_ready_bins_with_a_truth_in_its_windows() -> None:
@@ -98,3 +129,46 @@ def test_the_png_draws_each_sites_truth_dashed_in_its_estimates_colour() -> None
         import matplotlib.pyplot as plt
 
         plt.close(fig)
+
+
+def _status(proc: subprocess.Popen) -> str:
+    return psutil.Process(proc.pid).status()
+
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_the_starver_stops_a_process_in_bursts_and_leaves_it_running(sleeper: subprocess.Popen) -> None:
+    """40 ms stopped of every 100: the process is seen stopped and seen running again while the
+    starver runs; stopped by `stop()` in the middle of a burst, it is left running."""
+    starver = Starver(sleeper.pid, 0.04, 0.1)
+    starver.start()
+    seen = set()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and len(seen) < 2:
+        seen.add(_status(sleeper) == psutil.STATUS_STOPPED)
+        time.sleep(0.005)
+    assert seen == {True, False}
+    while _status(sleeper) != psutil.STATUS_STOPPED:  # into a burst
+        time.sleep(0.002)
+    starver.stop()
+    assert starver.stops >= 1 and _status(sleeper) != psutil.STATUS_STOPPED
+    time.sleep(0.3)
+    assert _status(sleeper) != psutil.STATUS_STOPPED  # and nothing stops it afterwards
+
+
+def test_the_starver_ends_quietly_when_its_process_dies(sleeper: subprocess.Popen) -> None:
+    """A process that dies while starved (a crash in the same drill) ends the starving, no error."""
+    starver = Starver(sleeper.pid, 0.04, 0.1)
+    starver.start()
+    time.sleep(0.2)
+    sleeper.kill()
+    sleeper.wait()
+    time.sleep(0.2)
+    starver.stop()
+    assert starver.stops >= 1

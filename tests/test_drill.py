@@ -4,6 +4,7 @@ issue's JSON keys and a PNG timeline (the real drills are longer; see docs/BENCH
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 from pathlib import Path
 
@@ -49,6 +50,21 @@ def _drill(tmp_path: Path, scenario: str, *args: str, scheduler: str = "replicas
     return _report(tmp_path, _fedctl_drill(tmp_path, scenario, *common, *args))
 
 
+def _measured_against_truth(report: dict, sites: set[str]) -> None:
+    """The estimator's keys, well formed: each site's capacity error a finite, non-negative
+    mean and max over at least one bin (not how small: the real drills measure that), each
+    site's truth said, and after ÷ surviving the ratio of the report's own two keys."""
+    assert set(report["capacity_error"]) == sites, report["capacity_error"]
+    for error in report["capacity_error"].values():
+        assert set(error) == {"mean", "max", "bins"} and error["bins"] >= 1
+        assert math.isfinite(error["max"]) and 0 <= error["mean"] <= error["max"]
+    assert set(report["capacity_truth_before"]) <= sites and all(
+        v > 0 for v in report["capacity_truth_before"].values()
+    )
+    ratio = report["output_tokens_per_s_after"] / report["surviving_tokens_per_s"]
+    assert report["after_over_surviving"] == pytest.approx(ratio, abs=1e-4)
+
+
 @pytest.mark.timeout(180)
 def test_site_crash_drill_loses_nothing(tmp_path: Path) -> None:
     """Korea's agent and workers are killed under load: the crash is seen within a second, the
@@ -64,6 +80,8 @@ def test_site_crash_drill_loses_nothing(tmp_path: Path) -> None:
     assert report["output_tokens_per_s_before"] > 0 and report["output_tokens_per_s_after"] > 0
     assert report["per_site_tokens_per_s_before"]["kr-mi300x"] > 0  # counted by the site that wrote them
     assert report["per_site_tokens_per_s_after"]["kr-mi300x"] == 0
+    _measured_against_truth(report, {"kr-mi300x", "us-mi355x"})  # the crashed site: its bins before the crash
+    assert report["capacity_truth_after"]["kr-mi300x"] == 0
 
 
 @pytest.mark.timeout(180)
@@ -86,6 +104,10 @@ def test_a_running_federation_is_drilled_with_the_operators_command(tmp_path: Pa
     assert report["requests_sent"] > 60 and report["requests_failed"] == 0 and report["lost"] == 0, report["errors"]
     assert report["detection_s"] is not None and report["detection_s"] <= 1.0
     assert report["per_site_tokens_per_s_after"]["kr-mi300x"] == 0
+    # An operator's GPUs: no truth to measure the estimator against, and the report says so.
+    assert report["capacity_error"] is None and "--endpoint" in report["capacity_error_note"]
+    ratio = report["output_tokens_per_s_after"] / report["surviving_tokens_per_s"]
+    assert report["after_over_surviving"] == pytest.approx(ratio, abs=1e-4)
 
 
 @pytest.mark.timeout(180)
@@ -102,6 +124,9 @@ def test_a_site_that_joins_under_load_takes_its_share_and_fails_nothing(tmp_path
     assert report["per_site_tokens_per_s_after"]["eu-mi355x"] > 0
     assert set(report["standalone"]) == {"kr-mi300x", "us-mi355x", "eu-mi355x"}
     assert 0 < report["throughput_ratio"] <= 1.5
+    # The new site is measured from 10 s after it joined, the others also before.
+    _measured_against_truth(report, {"kr-mi300x", "us-mi355x", "eu-mi355x"})
+    assert "eu-mi355x" not in report["capacity_truth_before"] and report["capacity_truth_after"]["eu-mi355x"] > 0
 
 
 @pytest.mark.parametrize(
@@ -113,6 +138,8 @@ def test_a_site_that_joins_under_load_takes_its_share_and_fails_nothing(tmp_path
         (["add-site", "--site", "kr-mi300x"], "already in the federation"),
         (["worker-loss", "--config", "docs/configs/small-federation.yaml", "--site", "us-mi355x"], "has 1"),
         (["add-site", "--config", "docs/configs/small-federation.yaml"], "no `links` entry between eu-central-1"),
+        (["cpu-starve", "--endpoint", "http://127.0.0.1:9"], "needs --inject CMD"),
+        (["cpu-starve", "--starve-ms", "100"], "must be shorter than --starve-period-ms"),
     ],
 )
 def test_a_drill_that_cannot_be_run_says_why(args: list[str], said: str) -> None:
@@ -132,3 +159,21 @@ def test_silent_failures_lose_nothing(tmp_path: Path, scenario: str) -> None:
     assert report["detection_s"] is not None
     if scenario.endswith("blackhole"):  # silence: no one can see it before a second of it
         assert report["detection_s"] >= 0.5, report["detection_s"]
+
+
+@pytest.mark.timeout(180)
+def test_a_starved_agent_loses_nothing_and_is_left_running(tmp_path: Path) -> None:
+    """cpu-starve: the US site's agent is stopped (SIGSTOP) 40 ms of every 100 from the fault to
+    the end of the load; no request fails or is lost, the site keeps a share of the tokens, its
+    estimate is measured against its unchanged truth from 10 s on, and once the starving ends
+    its agent is running (psutil's state, read by the drill before the federation stops)."""
+    report = _drill(tmp_path, "cpu-starve", "--after-s", "14")
+    assert KEYS <= set(report) and report["scenario"] == "cpu-starve" and report["site"] == "us-mi355x"
+    assert report["requests_sent"] > 60 and report["requests_failed"] == 0 and report["lost"] == 0, report["errors"]
+    assert report["agent_stops"] >= 50  # ~one every 100 ms for the 14 s of load after the fault
+    assert report["agent_status_after"] not in (None, "stopped")
+    assert 0 < report["site_share_before"] <= 1 and 0 < report["site_share_after"] <= 1
+    _measured_against_truth(report, {"kr-mi300x", "us-mi355x"})
+    assert report["site_capacity_error"] == report["capacity_error"]["us-mi355x"]
+    assert report["capacity_error"]["us-mi355x"]["bins"] >= 3  # the before window's and after 10 s
+    assert report["capacity_truth_after"] == report["capacity_truth_before"]  # its GPUs lost nothing

@@ -4,7 +4,8 @@ In the embedded default each fault acts on real processes the way the failure wo
 crashed site's agent is killed (its emulated workers die with it), a partition resets and
 refuses every connection on the site's WAN links (scheduler reports and gateway streams
 alike), a brownout makes every worker of the site 4x slower, a worker loss kills 4 of its 16
-workers, a scheduler crash kills replicas. In an operator's federation the operator's command
+workers, a scheduler crash kills replicas, a CPU starve stops the site's agent (SIGSTOP) for
+40 ms of every 100 until the load ends. In an operator's federation the operator's command
 does it. A drain is `fedctl site drain` on either. Detection reads what an operator can read:
 the schedulers' state and the gateway's /health.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import grpc
+import psutil
 
 from core import wire
 from core.config import SiteConfig
@@ -33,6 +36,10 @@ from federation.linkproxy import BLACKHOLE_SIGNAL
 BROWNOUT_FACTOR = 4.0
 WORKERS_LOST = 4
 JOINING_REGION, JOINING_GPU, JOINING_GPUS = "eu-central-1", "mi355x", 8  # add-site's new site
+# cpu-starve: the agent stopped this long of every period. Long beside its event loop's turns
+# and its report interval (0.25 s), far below what a heartbeat takes to miss (a site is down
+# after 1 s of silence): a busy neighbour or a throttled cgroup, not a dead agent.
+STARVE_MS, STARVE_PERIOD_MS = 40.0, 100.0
 HTTP_TIMEOUT_S = 5.0
 
 
@@ -79,6 +86,9 @@ class Fault:
 
     def _heal(self, federation: Federation) -> None:
         pass
+
+    def end(self) -> None:
+        """The load is over (or the drill failed): a fault that lasts until then stops. Always called."""
 
     def detected(self) -> bool:
         raise NotImplementedError
@@ -315,6 +325,79 @@ class Drain(Fault):
         return 0.0
 
 
+class Starver:
+    """A thread that stops a process (SIGSTOP) for `stop_s` of every `period_s` and lets it run
+    (SIGCONT) in between, until `stop()`; it leaves the process running however it ends (stopped,
+    an error, the process gone). psutil sends the signals: it refuses a pid that now names
+    another process."""
+
+    def __init__(self, pid: int, stop_s: float, period_s: float) -> None:
+        self.process = psutil.Process(pid)
+        self.stop_s, self.period_s = stop_s, period_s
+        self.stops = 0  # how many times it stopped the process
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"starve {pid}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._continue()
+
+    def _run(self) -> None:
+        try:
+            while not self._done.is_set():
+                self.process.suspend()
+                self.stops += 1
+                self._done.wait(self.stop_s)
+                self.process.resume()
+                self._done.wait(self.period_s - self.stop_s)
+        except psutil.NoSuchProcess:
+            pass  # it died (or was killed): nothing left to starve
+        finally:
+            self._continue()
+
+    def _continue(self) -> None:
+        try:
+            self.process.resume()
+        except psutil.NoSuchProcess:
+            pass
+
+
+class CpuStarve(Fault):
+    """The site's agent gets no CPU for `starve_ms` of every `period_ms`, from the fault to the
+    end of the load (its workers, other processes, run on): what a noisy neighbour, a throttled
+    cgroup or a long pause of its runtime does to it. Its GPUs lose nothing, so the estimate
+    should hold and routing should not turn from the site. `detected` is an overreaction: the
+    schedulers no longer have the site READY (never, in a good run)."""
+
+    starve_ms: float = STARVE_MS
+    period_ms: float = STARVE_PERIOD_MS
+    starver: Starver | None = None
+
+    def _inject(self, federation: Federation) -> None:
+        agent = federation.child(f"agent {self.site}")
+        self.starver = Starver(agent.pid, self.starve_ms / 1000, self.period_ms / 1000)
+        self.starver.start()
+
+    def end(self) -> None:
+        if self.starver is not None:
+            self.starver.stop()
+
+    def detected(self) -> bool:
+        state = self._state()
+        return state is None or state.status is not wire.SiteStatus.READY
+
+    detected_age_s = Fault._status_age_s
+
+    @property
+    def capacity_factor(self) -> float:
+        return 1.0
+
+
 class SiteJoin(Fault):
     """Not a fault: capacity arriving. A new site (8 emulated MI355X in eu-central-1, its round
     trips from the config's links) joins under load, as `fedctl site add --emulate` adds one;
@@ -346,6 +429,7 @@ SCENARIOS: dict[str, Callable[..., Fault]] = {
     "all-workers-lost": AllWorkersLost,
     "drain": Drain,
     "add-site": SiteJoin,
+    "cpu-starve": CpuStarve,
 }
 
 

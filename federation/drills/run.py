@@ -18,6 +18,24 @@ measured capacity is within 10 % of its true one (what it measured before, ÷ th
 × 12/16). Times are wall seconds (the control plane is not slowed by `--speed`), but for
 add-site's `converge_s` (see `_joined`); rates, capacities and TTFT are GPU time, as `fedctl
 bench` reports them.
+
+The estimator against the truth (the embedded default only: `federation/bench/truth.py` says
+what a site's truth is). `capacity_error`: {site: {mean, max, bins}}, the relative error
+|estimate − truth| / truth of the site's measured capacity, one value per one-second bin,
+over the before window and from 10 s after the fault to the end of the load, in bins where
+the schedulers had the site READY throughout and its truth is above 0 (a site with no such
+bin is left out); the fault changes the hit site's truth by its `capacity_factor` (a
+partition until its heal; an added site has one from the fault). `capacity_truth_before` and
+`capacity_truth_after`: each site's truth, averaged as `capacity_before`/`capacity_after`
+are. With `--endpoint` the truth is unknown: `capacity_error` is null and
+`capacity_error_note` says so. `after_over_surviving`: `output_tokens_per_s_after` ÷
+`surviving_tokens_per_s`, how much of what survived the fault the federation delivered.
+
+cpu-starve adds the starved site's share of the tokens before and after the fault
+(`site_share_before`, `site_share_after`), its `site_capacity_error`, how many times its
+agent was stopped (`agent_stops`) and its process's state once the starving ended
+(`agent_status_after`, psutil's: never "stopped"). Its `detection_s` is an overreaction:
+when the schedulers stopped having the site READY (null: they never did).
 """
 
 from __future__ import annotations
@@ -29,11 +47,13 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 
 from core import mtls, pki, runtime
 from core.config import Config, ConfigError
@@ -42,21 +62,27 @@ from federation import admin
 from federation.bench import scenarios
 from federation.bench.client import Result
 from federation.bench.run import bench_config
-from federation.bench.workload import MLPERF_LIKE_PROMPTS, LengthDistribution, WorkloadSpec
+from federation.bench.truth import TruthLine, site_truth_tok_s, workload_of
+from federation.bench.workload import MLPERF_LIKE_PROMPTS, LengthDistribution, Sample, WorkloadSpec
 from federation.drills import timeline
 from federation.drills.dashboard_marks import DashboardMarks
 from federation.drills.faults import (
     BROWNOUT_FACTOR,
     JOINING_REGION,
     SCENARIOS,
+    STARVE_MS,
+    STARVE_PERIOD_MS,
+    CpuStarve,
     Fault,
     SiteBrownout,
+    SiteJoin,
     WorkerLoss,
     poll_until,
 )
 from federation.drills.sampler import SiteTokenSampler, gateway_counters
 from federation.drills.target import DrillError, DrillRefused, Target
 from federation.embedded import Federation
+from scheduler.workload import Workload
 
 # 32 emulated GPUs and ~18 k open streams at SGLang's per-token pace: at a twentieth of real
 # speed (~13 k tokens/s, ~85 µs of CPU each across the processes) they take about half of the 2
@@ -101,6 +127,11 @@ DEFAULTS = {
     "site-brownout": DrillDefaults(
         speed=0.5, open_requests=2_000, windows_s=(120.0, 20.0, 60.0), gpus={"kr-mi300x": 2, "us-mi355x": 1}
     ),
+    # The default's shape, as the other drills: what a starve takes from the agent is wall time,
+    # which --speed does not stretch, and the control plane that could misread it (reports every
+    # 0.25 s, heartbeats, the estimator's 5-s windows) runs in wall time too; the default's load
+    # keeps the starved agent relaying every second of it, with a queue.
+    "cpu-starve": DrillDefaults(),
 }
 
 
@@ -109,7 +140,12 @@ def defaults_for(scenario: str) -> DrillDefaults:
 
 
 # The site hit (added, for add-site); any other drill: the remote one.
-DEFAULT_SITE = {"site-brownout": "us-mi355x", "worker-loss": "us-mi355x", "add-site": "eu-mi355x"}
+DEFAULT_SITE = {
+    "site-brownout": "us-mi355x",
+    "worker-loss": "us-mi355x",
+    "add-site": "eu-mi355x",
+    "cpu-starve": "us-mi355x",
+}
 REMOTE_SITE = "kr-mi300x"
 DETECTION_TIMEOUT_S = 30.0
 RECOVERY_LEVEL = 0.9
@@ -117,11 +153,39 @@ SETTLE_S = 5.0  # after a heal, the healed site re-registers and is routed to ag
 DURING_S = 10.0  # "during" the fault: its first seconds (or half the time after it, if shorter)
 ROUTE_IN_TRANSIT_S = 0.5  # a route decided just before the fault was seen may still arrive after it
 WITHIN = 0.10  # a share (or an estimate) has followed capacity when within 10 % of its target
+# capacity_error counts from this long after the fault: the estimator's time constant is 5 s,
+# ~95 % of a change followed in three of them; this is where a settled estimate is asked for.
+ESTIMATE_SETTLE_S = 10.0
+NO_TRUTH = "unknown: --endpoint drills an operator's federation, whose GPUs' truth the drill cannot know"
+
+
+EPILOG = """\
+cpu-starve stops the site's agent (SIGSTOP) for --starve-ms of every --starve-period-ms, from
+the fault to the end of the load, and always lets it run again (SIGCONT); its GPUs lose
+nothing. With --endpoint, --inject must start the starving in the background and stop it itself.
+
+The estimator against the truth (embedded default only; with --endpoint the truth is unknown):
+  capacity_error        {site: {mean, max, bins}}: |estimate - truth| / truth of the schedulers'
+                        capacity for the site, per 1-s bin in which they had it READY, over the
+                        before window and from 10 s after the fault to the end of the load.
+                        truth = healthy GPUs x the emulator's full-batch tok/s on the drill's
+                        workload / slowdown (GPU time), times the fault's capacity factor after
+                        it. null with --endpoint, and capacity_error_note says why
+  capacity_truth_before, capacity_truth_after
+                        each site's truth (GPU tok/s), averaged as capacity_before/_after are
+  after_over_surviving  output_tokens_per_s_after / surviving_tokens_per_s
+cpu-starve also reports site_share_before/_after (the starved site's share of the tokens),
+site_capacity_error, agent_stops and agent_status_after (never "stopped"); its detection_s is
+when the schedulers stopped having the site READY (null: never, as it should be).
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog, p.formatter_class = EPILOG, argparse.RawDescriptionHelpFormatter
     p.add_argument("scenario", choices=sorted(SCENARIOS))
-    p.add_argument("--site", default=None, help="the site hit (default: kr-mi300x; us-mi355x for brownout/loss)")
+    p.add_argument(
+        "--site", default=None, help="the site hit (default: kr-mi300x; us-mi355x for brownout/loss/cpu-starve)"
+    )
     p.add_argument("--config", type=Path, default=None)
     p.add_argument(
         "--endpoint",
@@ -171,6 +235,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--slowdown", type=runtime.positive_float, default=BROWNOUT_FACTOR, help="site-brownout: how much slower"
+    )
+    p.add_argument(
+        "--starve-ms",
+        type=runtime.positive_float,
+        default=STARVE_MS,
+        help="cpu-starve: the agent stopped (SIGSTOP) this long of every --starve-period-ms",
+    )
+    p.add_argument(
+        "--starve-period-ms",
+        type=runtime.positive_float,
+        default=STARVE_PERIOD_MS,
+        help="cpu-starve: every this long, the agent is stopped --starve-ms, then continued (SIGCONT)",
     )
     p.add_argument(
         "--stream-interval",
@@ -225,6 +301,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _refusal(args: argparse.Namespace) -> str | None:
     """Why these arguments cannot make a drill (None when they can)."""
+    if args.scenario == "cpu-starve" and args.starve_ms >= args.starve_period_ms:
+        return f"--starve-ms ({args.starve_ms:g}) must be shorter than --starve-period-ms ({args.starve_period_ms:g})"
     operator_only = [flag for flag in ("scheduler", "inject", "heal") if getattr(args, flag)]
     if mtls.given(args):
         operator_only.append("ca/--cert/--key/--insecure")
@@ -337,6 +415,22 @@ def _drill(target: Target, args: argparse.Namespace, site: str) -> dict[str, Any
     fault: Fault = SCENARIOS[args.scenario](site, target)
     if isinstance(fault, SiteBrownout):
         fault.slowdown = args.slowdown
+    if isinstance(fault, CpuStarve):
+        fault.starve_ms, fault.period_ms = args.starve_ms, args.starve_period_ms
+    try:
+        return _under_load(target, args, site, output, workload, fault)
+    finally:
+        fault.end()  # however the drill ends: no agent is left stopped
+
+
+def _under_load(
+    target: Target,
+    args: argparse.Namespace,
+    site: str,
+    output: LengthDistribution,
+    workload: Sequence[Sample],
+    fault: Fault,
+) -> dict[str, Any]:
     heals = fault.heals and (target.federation is not None or bool(target.heal_command))
     marks = DashboardMarks(args.dashboard)
     total_s = args.warmup_s + args.before_s + args.after_s
@@ -363,7 +457,11 @@ def _drill(target: Target, args: argparse.Namespace, site: str) -> dict[str, Any
     fault_at = time.monotonic()
     fault.inject()  # a DrillError leaves the load and the sampler to die with the process (daemons)
     marks.mark(f"{args.scenario} ({site})")
-    polled_s = poll_until(fault.detected, DETECTION_TIMEOUT_S)
+    # Seen after the load ends is not seen by the drill (and cpu-starve, seen only if routing
+    # overreacts, would otherwise starve its agent on past the load).
+    polled_s = poll_until(
+        fault.detected, max(0.0, min(DETECTION_TIMEOUT_S, fault_at + args.after_s - time.monotonic()))
+    )
     detection_s = _by_schedulers_clock(fault, fault_at, polled_s)
     heal_at = None
     if heals:
@@ -372,6 +470,8 @@ def _drill(target: Target, args: argparse.Namespace, site: str) -> dict[str, Any
         fault.heal()
         marks.mark(SECOND_MARKS.get(args.scenario, "heal"))
     thread.join()
+    fault.end()  # a fault that lasts to the end of the load (cpu-starve) ends with it
+    agent_status = _agent_status(target, site) if isinstance(fault, CpuStarve) else None
     marks.wait()
     samples = sampler.stop()
     counters_after = gateway_counters(target.metrics_url) if target.gateway_alive() else counters_before
@@ -382,17 +482,91 @@ def _drill(target: Target, args: argparse.Namespace, site: str) -> dict[str, Any
     if heal_at is not None:
         line.marks[SECOND_MARKS.get(args.scenario, "heal")] = heal_at - fault_at
     healed_s = heal_at - fault_at if heal_at is not None else None
+    if target.federation is not None:
+        line.set_truth(_truth(target.federation.config, fault, workload_of(MLPERF_LIKE_PROMPTS, output), healed_s))
     report = _report(args, site, results, line, fault, detection_s, healed_s, counters_before, counters_after)
+    report.update(_against_truth(report, line, args, healed_s, known=target.federation is not None))
     report["detection_polled_s"] = round(polled_s, 3) if polled_s is not None else None  # when the poll saw it
     # Requests that started at the site after the fault was seen (a drained site must get none).
     seen_at = fault_at + (detection_s or 0.0) + ROUTE_IN_TRANSIT_S
     report["routed_to_site_after_fault"] = sum(1 for r in results if r.site == site and r.started > seen_at)
     if args.scenario == "add-site":
         report.update(_joined(report, line, args))
+    if isinstance(fault, CpuStarve):
+        report.update(_starved(report, args, fault, agent_status))
     if args.png:
         timeline.plot(line, f"fedctl drill {args.scenario} ({site})", args.png)
         report["png"] = str(args.png)
     return report
+
+
+def _truth(config: Config, fault: Fault, work: Workload, healed_s: float | None) -> TruthLine:
+    """Each site's truth through the drill (wall s from the fault): its GPUs on the drill's
+    workload from the start; from the fault, the hit site's times the fault's capacity factor,
+    until a heal that restores it (a partition's); an added site's from the fault on."""
+    truth = TruthLine()
+    for s in config.sites:
+        whole = site_truth_tok_s(s.gpu, s.gpus, work)
+        if isinstance(fault, SiteJoin) and s.name == fault.site:
+            truth.set(s.name, 0.0, whole)
+            continue
+        truth.set(s.name, -math.inf, whole)
+        if s.name == fault.site and fault.capacity_factor is not None:
+            truth.set(s.name, 0.0, whole * fault.capacity_factor)
+            if healed_s is not None:
+                truth.set(s.name, healed_s, whole)
+    return truth
+
+
+def _against_truth(
+    report: dict[str, Any], line: timeline.Timeline, args: argparse.Namespace, healed_s: float | None, *, known: bool
+) -> dict[str, Any]:
+    """The estimator measured against the truth (see the module docstring), and what the
+    federation kept of the throughput that survived the fault."""
+    after, surviving = report["output_tokens_per_s_after"], report["surviving_tokens_per_s"]
+    out: dict[str, Any] = {"after_over_surviving": round(after / surviving, 4) if surviving else None}
+    if not known:
+        return {**out, "capacity_error": None, "capacity_error_note": NO_TRUTH}
+    after_start_s, after_end_s = _after(args, healed_s)
+    windows = [(-args.before_s, 0.0), (ESTIMATE_SETTLE_S, args.after_s - 1.0)]
+    return {
+        **out,
+        "capacity_error": line.capacity_errors(windows),
+        "capacity_truth_before": {k: round(v, 1) for k, v in line.truth_means(-args.before_s, 0.0).items()},
+        "capacity_truth_after": {k: round(v, 1) for k, v in line.truth_means(after_start_s, after_end_s).items()},
+    }
+
+
+def _agent_status(target: Target, site: str) -> str | None:
+    """The starved agent's process state as psutil reads it once the starving is over ("stopped"
+    would be a process left stopped); None when it is gone or not ours to see."""
+    if target.federation is None:
+        return None
+    try:
+        return psutil.Process(target.federation.child(f"agent {site}").pid).status()
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _starved(report: dict[str, Any], args: argparse.Namespace, fault: CpuStarve, status: str | None) -> dict[str, Any]:
+    """cpu-starve's own keys: the starved site's share of the tokens before and after (it
+    should barely move), its estimate's error, and that its agent was stopped and left running."""
+    site = report["site"]
+
+    def share(rates: dict[str, float]) -> float | None:
+        total = sum(rates.values())
+        return round(rates.get(site, 0.0) / total, 4) if total else None
+
+    errors = report.get("capacity_error")
+    return {
+        "site_share_before": share(report["per_site_tokens_per_s_before"]),
+        "site_share_after": share(report["per_site_tokens_per_s_after"]),
+        "site_capacity_error": errors.get(site) if errors is not None else None,
+        "starve_ms": args.starve_ms,
+        "starve_period_ms": args.starve_period_ms,
+        "agent_stops": fault.starver.stops if fault.starver is not None else None,
+        "agent_status_after": status,
+    }
 
 
 def _joined(report: dict[str, Any], line: timeline.Timeline, args: argparse.Namespace) -> dict[str, Any]:
