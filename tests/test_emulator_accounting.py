@@ -25,7 +25,6 @@ from nodes.emulator.launch import EmulatorProcess, launch
 from nodes.emulator.reporter import Reporter, ReportState
 from tests.conftest import RETRACTING_WORKER, retracting_requests
 
-CAPACITY = 100_000
 LOG_INTERVAL = 40  # SGLang's --decode-log-interval default: decode passes between log points
 
 
@@ -38,7 +37,7 @@ def _prefill(t0: float, chunk: int, batch: int = 0, context: int = 0, **shape: i
 
 
 def _replay(stretches: list[Stretch], max_running: int = 1024) -> ReportState:
-    reporter = Reporter(0.0, CAPACITY, max_running)
+    reporter = Reporter(0.0, max_running)
     for stretch in stretches:
         reporter.on_stretch(stretch)
     return reporter.state
@@ -107,13 +106,13 @@ def test_going_idle_zeroes_the_load_gauges_once_they_show_a_batch() -> None:
     """Idle, the scheduler republishes its load at once if the running gauge still shows
     requests (zero running, queue, KV and gen_throughput, the batch's ΣL kept); if it showed
     none, only 30 s after its last log point."""
-    reporter = Reporter(0.0, CAPACITY, 1024)
+    reporter = Reporter(0.0, 1024)
     reporter.on_stretch(_decode(0.0, 40, 2, 500))
     busy = reporter.view(0.5, None)
     assert (busy.running, busy.used_tokens, busy.gen_throughput) == (0, 0, 0.0)
     assert busy.decode_sum_seq_lens == 500 + 2 * 39 and busy.last_gen_throughput > 0
 
-    reporter = Reporter(0.0, CAPACITY, 1024)
+    reporter = Reporter(0.0, 1024)
     reporter.on_stretch(_prefill(0.0, 64))  # logs running 0, KV 64
     end = 0.05
     assert reporter.view(end + 29.0, None).used_tokens == 64
@@ -124,7 +123,7 @@ def test_idle_seconds_are_published_a_second_apart_at_events() -> None:
     """Idle time is published at the scheduler's events, at least a second after the previous
     publication: while idle (it spins) exactly on the second; while busy at the first pass
     launched after it; a scrape is no event."""
-    reporter = Reporter(10.0, CAPACITY, 1024)
+    reporter = Reporter(10.0, 1024)
     assert reporter.view(10.9, None).idle_published_s == 0.0
     assert reporter.view(12.5, None).idle_published_s == pytest.approx(2.0)
     busy = Stretch(12.75, 0.3, 0.0, 10, StepShape(batch=1, context_tokens=10))  # passes end 13.05, 13.35, ...

@@ -2,10 +2,15 @@
 exports them.
 
 The scheduler's counters and gauges (its accounting of its work, and the load it last logged)
-follow SGLang's own cadence, replayed over the engine's stretches of steps: see
-`nodes/emulator/reporter.py` for what each one counts, when it moves, and how the mixed
-prefill-and-decode step maps onto them. Gauges are therefore held between SGLang's log points,
-not read at scrape time. The request histograms and counters (the tokenizer's) are filled at
+follow SGLang's own cadence, replayed over the engine's stretches of steps by
+`nodes/emulator/reporter.py`, which says what each one counts and when it moves, with the
+SGLang source behind it. In short: a step with a prompt chunk (which, the emulator's step being
+SGLang's --enable-mixed-chunk batch, also decodes every running sequence) is one prefill pass,
+`cuda_graph_passes_total{mode="prefill_none"}`, its chunk in `realtime_tokens_total{mode=
+"prefill_compute"}` and its decode in no counter; a step without one is a decode pass, its
+batch in `realtime_tokens_total{mode="decode"}`, in a graph up to 512 sequences. The gauges are
+held between SGLang's log points (each prefill pass, every 40th decode pass, going idle), not
+read at scrape time; idle seconds are published at most once a second. The request histograms and counters (the tokenizer's) are filled at
 request milestones; inter-token latency is observed once per finished request with a weight of
 `tokens - 1` (the mean gap), which keeps the cost per request rather than per token while
 giving the same sum and count SGLang would.
@@ -202,7 +207,7 @@ class WorkerMetrics:
     def attach(self, engine: Engine) -> None:
         """Report on `engine` (whose listener this is) from its start."""
         self.engine = engine
-        self.reporter = Reporter(engine.started_at, engine.kv_capacity_tokens, engine.max_running_requests)
+        self.reporter = Reporter(engine.started_at, engine.max_running_requests)
 
     def report(self) -> ReportState:
         """The scheduler's counters and its last logged gauges, as of now."""

@@ -120,8 +120,7 @@ class Reporter:
     """Replays SGLang's reporting over the engine's stretches: `on_stretch` commits a stretch
     that ended; `view` adds the stretch in progress, or the idle time since, without committing."""
 
-    def __init__(self, started_at: float, kv_capacity_tokens: int, max_running_requests: int) -> None:
-        self.kv_capacity_tokens = kv_capacity_tokens
+    def __init__(self, started_at: float, max_running_requests: int) -> None:
         self.graph_max_batch = min(CUDA_GRAPH_MAX_BS, max_running_requests)
         self.state = ReportState.start(started_at)
 
