@@ -1,7 +1,8 @@
 """The truth drills and benches measure the capacity estimator against, and the measurement:
 a site's truth by hand, each drill's truth through its fault, the error taken only where it
-means something, the PNG's truth lines, the CPU starver that never leaves a process stopped.
-Nothing here asserts the estimator's accuracy: the real drills measure that."""
+means something, the PNG's truth lines, the CPU starver that never leaves a process stopped,
+and `fedctl bench`'s `capacity_error`. Nothing here asserts the estimator's accuracy: the real
+drills measure that."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -22,6 +24,7 @@ from federation.drills.faults import SiteBrownout, SiteJoin, SitePartition, Star
 from federation.drills.run import _truth
 from federation.drills.sampler import Sample
 from scheduler.workload import REFERENCE, Workload
+from tests.test_fedctl_bench import _bench
 
 
 def test_a_sites_truth_by_hand() -> None:
@@ -172,3 +175,23 @@ def test_the_starver_ends_quietly_when_its_process_dies(sleeper: subprocess.Pope
     time.sleep(0.2)
     starver.stop()
     assert starver.stops >= 1
+
+
+@pytest.mark.timeout(180)
+def test_bench_reports_the_estimators_error_over_its_window(tmp_path: Path) -> None:
+    """`fedctl bench` on the embedded federation: each run's `capacity_error`, per site, finite
+    and non-negative, over samples of its measured window (here a 40-GPU-s sustained window and
+    each site alone)."""
+    report = _bench(
+        tmp_path, "--requests", "12", "--max-in-flight", "8", "--sustain-s", "40", "--warmup-s", "6",
+        "--compare-standalone",
+    )  # fmt: skip
+    assert report["requests_failed"] == 0, report["errors"]
+    runs = {"federation": report, **report["standalone_runs"]}
+    for name, run in runs.items():
+        errors = run["capacity_error"]
+        expected = {"kr-mi300x", "us-mi355x"} if name == "federation" else {name}
+        assert set(errors) == expected, (name, errors)
+        for error in errors.values():
+            assert set(error) == {"mean", "max", "bins"} and error["bins"] >= 2
+            assert math.isfinite(error["max"]) and 0 <= error["mean"] <= error["max"]

@@ -8,6 +8,11 @@ flat. Federation efficiency = federated tokens/s ÷ the sum of the standalone to
 
 Against `--endpoint URL` it measures that endpoint only (tell it `--speed` if the GPUs
 behind it are emulated slower than real time).
+
+Every run on the embedded federation (and `--loadgen`'s) also reports `capacity_error`: how far
+the schedulers' capacity estimates were from each site's truth over the run's measured window
+(`estimates.py`, `truth.py`). `--datapath` does not: it measures CPU per token, which polling
+the schedulers would add to.
 """
 
 from __future__ import annotations
@@ -17,20 +22,27 @@ import contextlib
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, Any
 
-from core import runtime
+import grpc
+
+from core import runtime, wire
 from core.config import Config, load
 from core.policy import POLICIES
 from core.processes import free_port_block
+from federation import admin
 from federation.bench import datapath, scenarios
+from federation.bench.estimates import NO_TRUTH, EstimateSampler
 from federation.bench.peers import ROUTER_POLICIES, FlatRouter
+from federation.bench.truth import site_truth_tok_s, workload_of
 from federation.bench.workload import MLPERF_LIKE_OUTPUTS, MLPERF_LIKE_PROMPTS, Sample, WorkloadSpec
-from federation.embedded import running
+from federation.embedded import Federation
 from scheduler.capacity import prior_capacity_tok_s
+from scheduler.workload import Workload
 
 # 32 emulated GPUs at SGLang's per-token pace, their clients and every hop of the federation on
 # two cores: every token costs ~85 µs of CPU across the processes (`--datapath`, emulator and
@@ -181,27 +193,58 @@ def _workload(args: argparse.Namespace) -> WorkloadSpec:
     )
 
 
-def _measure(endpoint: str, samples: Sequence[Sample], args: argparse.Namespace, speed: float, label: str) -> dict:
-    """One run of the chosen scenario against `endpoint` (for Server without --rate: the search)."""
+def _truth_workload(args: argparse.Namespace) -> Workload:
+    """The bench's workload as the GPU model reads it: what each site's truth is measured on."""
+    spec = _workload(args)
+    return workload_of(spec.prompt, spec.output)
+
+
+def _measure(
+    endpoint: str,
+    samples: Sequence[Sample],
+    args: argparse.Namespace,
+    speed: float,
+    label: str,
+    estimates: EstimateSampler | None = None,
+) -> dict:
+    """One run of the chosen scenario against `endpoint` (for Server without --rate: the search);
+    with `estimates`, each run's `capacity_error` over its measured window."""
     if args.scenario == "offline":
-        return _offline(endpoint, samples, args, speed, label)
+        return _offline(endpoint, samples, args, speed, label, estimates)
     if args.rate is None:
-        return _search(endpoint, samples, args, speed, label)
-    return _server(endpoint, samples, args, speed, label, args.rate)
+        return _search(endpoint, samples, args, speed, label, estimates)
+    return _server(endpoint, samples, args, speed, label, args.rate, estimates)
 
 
-def _offline(endpoint: str, samples: Sequence[Sample], args: argparse.Namespace, speed: float, label: str) -> dict:
+def _offline(
+    endpoint: str,
+    samples: Sequence[Sample],
+    args: argparse.Namespace,
+    speed: float,
+    label: str,
+    estimates: EstimateSampler | None = None,
+) -> dict:
     """Every sample at once, or with --sustain-s the endpoint held loaded and measured in a window."""
     if args.sustain_s is None:
         results = scenarios.run_plan(endpoint, scenarios.offline_plan(samples), args.max_in_flight, label)
-        return scenarios.summarize(results, scenario="offline", policy=label, speed=speed)
+        summary = scenarios.summarize(results, scenario="offline", policy=label, speed=speed)
+        return _with_error(summary, estimates, scenarios.steady_window(results))
     sustain = scenarios.Sustain(args.warmup_s, args.sustain_s, cut_at_end=True)
     results, window = scenarios.run_sustained(endpoint, samples, args.max_in_flight, sustain, speed, label)
     summary = scenarios.summarize(results, scenario="offline", policy=label, speed=speed, window=window)
-    return {**summary, "sustained": {"warmup_s": sustain.warmup_s, "window_s": sustain.window_s}}
+    summary = {**summary, "sustained": {"warmup_s": sustain.warmup_s, "window_s": sustain.window_s}}
+    return _with_error(summary, estimates, window)
 
 
-def _server(endpoint: str, samples, args: argparse.Namespace, speed: float, label: str, rate: float) -> dict:
+def _server(
+    endpoint: str,
+    samples,
+    args: argparse.Namespace,
+    speed: float,
+    label: str,
+    rate: float,
+    estimates: EstimateSampler | None = None,
+) -> dict:
     plan = scenarios.server_plan(samples, rate, speed=speed, seed=args.seed, max_in_flight=args.max_in_flight)
     results = scenarios.run_plan(endpoint, plan, args.max_in_flight, f"{label} server {rate:.1f}/s")
     summary = {
@@ -209,20 +252,36 @@ def _server(endpoint: str, samples, args: argparse.Namespace, speed: float, labe
         "rate": round(rate, 3),
         "served_output_tokens_per_s": round(scenarios.served_rate(results, speed), 1),
     }
-    return {**summary, "meets_limits": scenarios.meets_server_limits(summary)}
+    summary = {**summary, "meets_limits": scenarios.meets_server_limits(summary)}
+    arrivals = [r.started for r in results]  # what served_rate is measured over
+    return _with_error(summary, estimates, (min(arrivals), max(arrivals)) if arrivals else None)
 
 
-def _search(endpoint: str, samples, args: argparse.Namespace, speed: float, label: str) -> dict[str, Any]:
+def _with_error(
+    summary: dict[str, Any], estimates: EstimateSampler | None, window: tuple[float, float] | None
+) -> dict[str, Any]:
+    """The run's summary with its `capacity_error` (see estimates.py), when the schedulers were watched."""
+    return summary if estimates is None else {**summary, "capacity_error": estimates.capacity_error(window)}
+
+
+def _search(
+    endpoint: str,
+    samples,
+    args: argparse.Namespace,
+    speed: float,
+    label: str,
+    estimates: EstimateSampler | None = None,
+) -> dict[str, Any]:
     """The highest Poisson rate meeting MLPerf's Server limits, by bisection below the Offline
     rate measured first in the same run (sustained if --sustain-s is given). Server ÷ Offline
     compares the Server run's served rate (`scenarios.served_rate`) with Offline's."""
-    offline = _offline(endpoint, samples, args, speed, f"{label} offline")
+    offline = _offline(endpoint, samples, args, speed, f"{label} offline", estimates)
     mean_output = sum(s.output_tokens for s in samples) / len(samples)
     hi = offline["output_tokens_per_s"] / mean_output  # no Server run can beat Offline
     lo, best, trials = SEARCH_LOW_FRACTION * hi, None, []
     for _ in range(SEARCH_STEPS):
         rate = (lo + hi) / 2
-        summary = _server(endpoint, samples, args, speed, label, rate)
+        summary = _server(endpoint, samples, args, speed, label, rate, estimates)
         ok = summary["meets_limits"]
         keys = ("rate", "served_output_tokens_per_s", "output_tokens_per_s", "ttft_p99_ms", "tpot_p99_ms")
         trials.append({k: summary[k] for k in keys} | {"ok": ok})
@@ -241,20 +300,48 @@ def _search(endpoint: str, samples, args: argparse.Namespace, speed: float, labe
     }
 
 
-def _federation(config: Config, insecure: bool) -> Callable[[IO[str]], AbstractContextManager[tuple[str, int]]]:
+Started = tuple[str, int, EstimateSampler | None]  # the endpoint, its open requests at most, its estimates
+
+
+def _federation(config: Config, insecure: bool, work: Workload) -> Callable[[IO[str] | None], AbstractContextManager]:
+    """Starts the federation, its schedulers' estimates sampled while it runs, against each
+    site's truth on `work` (the bench's workload)."""
+
     @contextlib.contextmanager
-    def start(log: IO[str]) -> Iterator[tuple[str, int]]:
-        with running(config, log, insecure=insecure) as endpoint:
-            yield endpoint, scenarios.MAX_IN_FLIGHT
+    def start(log: IO[str] | None) -> Iterator[Started]:
+        federation = Federation(config, log, insecure=insecure)
+        truth = {s.name: site_truth_tok_s(s.gpu, s.gpus, work) for s in config.sites}
+        estimates = EstimateSampler(_states_of(config.scheduler_addresses, federation), truth, config.speed)
+        try:
+            federation.up()
+            estimates.start()
+            yield config.gateway_url + "/v1", scenarios.MAX_IN_FLIGHT, estimates
+        finally:
+            estimates.stop()
+            federation.down()
 
     return start
 
 
-def _router(config: Config, policy: str) -> Callable[[IO[str]], AbstractContextManager]:
+def _states_of(addresses: Sequence[str], federation: Federation) -> Callable[[], dict[str, wire.SiteState]]:
+    """The sites as the first scheduler replica that answers sees them."""
+
+    def states() -> dict[str, wire.SiteState]:
+        for address in addresses:
+            try:
+                return {s.name: s for s in admin.fetch_state(address, federation.operator).sites}
+            except grpc.RpcError:
+                continue
+        return {}
+
+    return states
+
+
+def _router(config: Config, policy: str) -> Callable[[IO[str] | None], AbstractContextManager]:
     @contextlib.contextmanager
-    def start(log: IO[str]) -> Iterator[tuple[str, int]]:
+    def start(log: IO[str] | None) -> Iterator[Started]:
         with FlatRouter(config, policy, log=log) as router:
-            yield router.endpoint, router.max_open_streams
+            yield router.endpoint, router.max_open_streams, None
 
     return start
 
@@ -266,10 +353,10 @@ def _run_on(start, samples: Sequence[Sample], args: argparse.Namespace, speed: f
     log_path = log_dir / (label.replace(" ", "-") + ".log")
     log_path.unlink(missing_ok=True)
     # Append mode: every process writes whole lines at the end, none over another's.
-    with log_path.open("a") as log, start(log) as (endpoint, max_in_flight):
+    with log_path.open("a") as log, start(log) as (endpoint, max_in_flight, estimates):
         print(f"bench: {label} on {endpoint} (logs: {log_path})", file=sys.stderr, flush=True)
         run_args = argparse.Namespace(**{**vars(args), "max_in_flight": min(args.max_in_flight, max_in_flight)})
-        summary = _measure(endpoint, samples, run_args, speed, label)
+        summary = _measure(endpoint, samples, run_args, speed, label, estimates)
     return {**summary, "max_in_flight": run_args.max_in_flight}
 
 
@@ -284,14 +371,15 @@ def main(args: argparse.Namespace) -> int:
     if args.endpoint:
         speed = args.speed or 1.0
         report = _measure(args.endpoint.rstrip("/"), samples, args, speed, args.policy)
-        return _write(report, args.json)
+        return _write({**report, "capacity_error": None, "capacity_error_note": NO_TRUTH}, args.json)
     config = bench_config(args.config, args.speed, args.policy, args.stream_interval)
-    report = _run_on(_federation(config, args.insecure), samples, args, config.speed, config.policy)
+    work = _truth_workload(args)
+    report = _run_on(_federation(config, args.insecure, work), samples, args, config.speed, config.policy)
     report["stream_interval"] = config.stream_interval  # decode steps per worker event: 1 is a real site's pace
     comparisons = {}
     for policy in args.compare:
         other = dataclasses.replace(config, policy=policy)
-        comparisons[policy] = _run_on(_federation(other, args.insecure), samples, args, config.speed, policy)
+        comparisons[policy] = _run_on(_federation(other, args.insecure, work), samples, args, config.speed, policy)
     for policy in args.peers:
         name = f"sglang-router {policy}"
         start = _router(config, policy)
@@ -318,9 +406,8 @@ def _standalone(config: Config, samples: Sequence[Sample], args: argparse.Namesp
         alone = dataclasses.replace(config, sites=(site,))
         site_args = argparse.Namespace(**{**vars(args), "max_in_flight": max(1, round(args.max_in_flight * share))})
         subset = samples[: max(1, round(len(samples) * share))]
-        out[site.name] = _run_on(
-            _federation(alone, args.insecure), subset, site_args, config.speed, f"{site.name} alone"
-        )
+        start = _federation(alone, args.insecure, _truth_workload(args))
+        out[site.name] = _run_on(start, subset, site_args, config.speed, f"{site.name} alone")
     return out
 
 
@@ -362,8 +449,11 @@ def _loadgen(args: argparse.Namespace, samples: list[Sample]) -> int:
     if args.endpoint:
         return _write(go(args.endpoint.rstrip("/"), args.speed or 1.0), args.json)
     config = bench_config(args.config, args.speed, args.policy, args.stream_interval)
-    with running(config, insecure=args.insecure) as endpoint:
-        return _write({**go(endpoint, config.speed), "stream_interval": config.stream_interval}, args.json)
+    with _federation(config, args.insecure, _truth_workload(args))(None) as (endpoint, _, estimates):
+        started = time.monotonic()
+        report = go(endpoint, config.speed)
+        report["capacity_error"] = estimates.capacity_error((started, time.monotonic()))  # the whole LoadGen run
+        return _write({**report, "stream_interval": config.stream_interval}, args.json)
 
 
 def _write(report: dict[str, Any], path: Path | None) -> int:

@@ -244,16 +244,24 @@ def steady_rate(results: Sequence[Result]) -> tuple[float, float]:
     than the longest answer (10,240 tokens ≈ 12 GPU-minutes), or it measures that one answer;
     MLPerf runs 600 s and more. This window is biased too: it holds the burst's decode but
     little of its prefill. A sustained run (`run_sustained`) measures neither way."""
+    window = steady_window(results)
+    if window is None:
+        return 0.0, 0.0
+    return window_rate(results, window), window[1] - window[0]
+
+
+def steady_window(results: Sequence[Result]) -> tuple[float, float] | None:
+    """`steady_rate`'s window (time.monotonic()); None when no request was answered."""
     ok = [r for r in results if r.ok and r.first_token is not None]
     if not ok:
-        return 0.0, 0.0
+        return None
     t0 = min(r.started for r in results)
     first_wave = sorted(r.first_token for r in ok if r.started - t0 < FIRST_WAVE_S)
     start = first_wave[int(0.9 * (len(first_wave) - 1))] if first_wave else t0
     end = max(r.started for r in results)
     if end <= start:  # every sample went out before the burst was absorbed: the whole run is the window
         start, end = t0, max(r.finished for r in ok)
-    return window_rate(results, (start, end)), end - start
+    return start, end
 
 
 def window_rate(
