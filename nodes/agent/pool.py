@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -47,6 +48,7 @@ class Worker:
     last_event_at: float = 0.0  # monotonic time of the last stream event any call on it received
     loading: bool = False  # its process started (`--launch`) and it has not been healthy since
     meter: WorkMeter = field(default_factory=WorkMeter)  # its own accounting of its work, read stretch by stretch
+    read_at: float = 0.0  # monotonic time its /metrics last answered
 
     @property
     def incremental(self) -> bool:
@@ -146,18 +148,27 @@ class WorkerPool:
                 waiter.set_result(worker)
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self._check(w) for w in self.workers))
+        await asyncio.gather(*(self._read_then_check(w) for w in self.workers))
+
+    async def _read_then_check(self, worker: Worker) -> None:
+        await self._read(worker)
+        await self._check(worker)
 
     async def check_forever(self) -> None:
-        """One loop per worker, so a hung worker cannot slow the checks of the others."""
-        await asyncio.gather(*(self._watch(w) for w in self.workers))
+        """Per worker, one loop reads its /metrics and another checks its health, so that neither
+        a hung worker slows the others nor a slow /health (SGLang's is a generation, queued behind
+        the load) spaces the reads its accounting is timed by (nodes.agent.accounting)."""
+        await asyncio.gather(
+            *(self._every_interval(w, self._read) for w in self.workers),
+            *(self._every_interval(w, self._check) for w in self.workers),
+        )
 
-    async def _watch(self, worker: Worker) -> None:
+    async def _every_interval(self, worker: Worker, action: Callable[[Worker], Awaitable[None]]) -> None:
         while True:
             await asyncio.sleep(self.timings.health_interval_s)
             try:
-                await self._check(worker)
-            except Exception:  # a bug in one check must not end health checking
+                await action(worker)
+            except Exception:  # a bug in one read or check must not end them
                 log.exception("worker.check_failed", worker=worker.url)
 
     def starting(self, worker: Worker) -> None:
@@ -166,6 +177,15 @@ class WorkerPool:
         worker.loading, worker.info, worker.stats, worker.failures = True, None, None, 0
         worker.meter.reset()
 
+    async def _read(self, worker: Worker) -> None:
+        """Its /metrics: its load, and the stretch of its own accounting this read closes."""
+        stats = await sglang.scrape(self.session, worker.url, self.timings.health_timeout_s)
+        if stats is None:
+            return
+        self._count_finished(worker.stats, stats)
+        self._count_work(worker, stats)
+        worker.stats, worker.read_at = stats, time.monotonic()
+
     async def _check(self, worker: Worker) -> None:
         checked_at = time.monotonic()
         if worker.info is None:
@@ -173,14 +193,10 @@ class WorkerPool:
             if worker.info is not None and not self._serves_ours(worker):
                 worker.info = None  # asked again at its next check: it may be restarted right
                 return
-        health, stats = await asyncio.gather(
-            sglang.health(self.session, worker.url, self.timings.health_timeout_s),
-            sglang.scrape(self.session, worker.url, self.timings.health_timeout_s),
-        )
-        if stats is not None:
-            self._count_finished(worker.stats, stats)
-            self._count_work(worker, stats)
-            worker.stats = stats
+        health = await sglang.health(self.session, worker.url, self.timings.health_timeout_s)
+        # Its /metrics answered lately (its reads come every interval): a hung worker's do not.
+        recent = time.monotonic() - 2 * self.timings.health_interval_s
+        stats = worker.stats if worker.stats is not None and worker.read_at >= recent else None
         if health is sglang.Health.SLOW and stats is not None and stats.running_requests + stats.queued_requests:
             return  # saturated, not sick: its metrics answer and it has work (decoding, or prefilling)
         if health is sglang.Health.OK and stats is not None and worker.info is not None:
