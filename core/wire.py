@@ -198,7 +198,6 @@ class SiteState:
     # when it saw a change, however late an observer asks (a drill's detection time).
     status_age_s: float = 0.0
     workers_age_s: float = -1.0
-    overdue_age_s: float = -1.0  # since a step last began to overrun the site's pace (-1: never)
     checkpoint: str = ""
     weight_format: str = ""
     loading_workers: int = 0

@@ -203,16 +203,10 @@ class AllWorkersLost(Fault):
 
 class SiteBrownout(Fault):
     """Every worker of the site slowed `slowdown`-fold. Detected when the schedulers' capacity
-    for it falls under 0.9 of what it was, or when they cut it for a step overrunning the
-    site's pace (`overdue_age_s`, by their clock: the cut lasts as long as the step, which a
-    poll may miss)."""
+    for it falls under 0.9 of what it was: its workers' own accounting shows their passes
+    taking longer (scheduler/capacity.py)."""
 
     slowdown: float = BROWNOUT_FACTOR
-    injected_at: float = 0.0
-
-    def inject(self) -> None:
-        self.injected_at = time.monotonic()
-        super().inject()
 
     def _inject(self, federation: Federation) -> None:
         _post_all([url + "/_emulator/faults" for url in self._workers(federation)], {"slowdown": self.slowdown})
@@ -225,18 +219,7 @@ class SiteBrownout(Fault):
         state, before = self._state(), self.before
         if state is None or before is None:
             return False
-        return state.capacity_tok_s < 0.9 * before.capacity_tok_s or self._overdue_since_injected(state) is not None
-
-    def detected_age_s(self) -> float | None:
-        state = self._state()
-        return self._overdue_since_injected(state) if state is not None else None
-
-    def _overdue_since_injected(self, state: wire.SiteState) -> float | None:
-        """How long ago the schedulers first cut the site for an overrunning step, if that began
-        after the fault."""
-        if not self.injected_at or state.overdue_age_s < 0:
-            return None
-        return state.overdue_age_s if state.overdue_age_s < time.monotonic() - self.injected_at else None
+        return state.capacity_tok_s < 0.9 * before.capacity_tok_s
 
 
 class WorkerLoss(Fault):
