@@ -168,9 +168,10 @@ The estimator against the truth (embedded default only; with --endpoint the trut
   capacity_error        {site: {mean, max, bins}}: |estimate - truth| / truth of the schedulers'
                         capacity for the site, per 1-s bin in which they had it READY, over the
                         before window and from 10 s after the fault to the end of the load.
-                        truth = healthy GPUs x the emulator's full-batch tok/s on the drill's
-                        workload / slowdown (GPU time), times the fault's capacity factor after
-                        it. null with --endpoint, and capacity_error_note says why
+                        truth = the site's GPUs x the emulator's full-batch tok/s on the drill's
+                        workload (GPU time); from the fault, the hit site's x what the fault
+                        leaves of it (worker loss 12/16, brownout 1/slowdown, crash 0; a
+                        partition until its heal). null with --endpoint (capacity_error_note)
   capacity_truth_before, capacity_truth_after
                         each site's truth (GPU tok/s), averaged as capacity_before/_after are
   after_over_surviving  output_tokens_per_s_after / surviving_tokens_per_s

@@ -6,7 +6,7 @@ shows each site's throughput and share as it was, chunk by chunk, credited to th
 generated the tokens — which the clients' own records cannot: a stream's tokens arrive over
 its whole life, and a resumed answer is finished by another site. Beside it, each site's
 capacity as the scheduler measures it (0 while it takes no new work), which the share is to
-follow.
+follow, and its status (the estimate is measured against the truth only while READY).
 """
 
 from __future__ import annotations
