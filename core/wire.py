@@ -119,7 +119,7 @@ class SiteReport:
     slots: int = 0
     context_tokens: int = 0
     received_ids: tuple[str, ...] = ()  # Generate calls taken since the previous report (see the proto)
-    prompt_tokens_total: int = 0  # of the requests the workers finished since the agent started
+    prompt_tokens_total: int = 0  # of the requests the site completed, as their clients asked (see the proto)
     generation_tokens_total: int = 0
     delivered_tok_s: float = 0.0  # output tokens/s the agent relayed, over recent seconds
     loading_workers: int = 0  # starting: loading their model, or the join probe still running
@@ -236,6 +236,7 @@ class GenerateRequest:
     logprobs: bool = False  # each output token's log probability, asked for
     top_logprobs: int = 0  # and this many most likely tokens at each position
     traceparent: str = ""  # the gateway's attempt span, W3C trace context ("": not traced; see the proto)
+    resumed_tokens: int = 0  # of the prompt, what a resumed answer said before (see the proto)
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,6 +375,7 @@ def _generate_request_to_pb(stream: int, r: GenerateRequest) -> pb.GenerateReque
         logprobs=r.logprobs,
         top_logprobs=r.top_logprobs,
         traceparent=r.traceparent,
+        resumed_tokens=r.resumed_tokens,
     )
 
 
@@ -502,6 +504,7 @@ def generate_command_from_pb(m: pb.GenerateCommand) -> GenerateCommand:
             r.logprobs,
             r.top_logprobs,
             r.traceparent,
+            r.resumed_tokens,
         )
         starts.append((r.stream, request))
     return GenerateCommand(tuple(starts), tuple(m.cancel), tuple(refused))

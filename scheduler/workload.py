@@ -8,8 +8,10 @@ requests that replace those finishing. A capacity measured on one shape and used
 makes a site's expected delays read short (it is sent more than it can run) and reads a new
 site's proofs in slow start as a slow GPU.
 
-Learned from every site's reports: the prompt and output tokens of the requests their workers
-finished (SGLang's counters), and the KV tokens per running request. One shape for the whole
+Learned from every site's reports: the prompt and output tokens of the requests they completed,
+as their clients asked for them (a resumed answer counts once, its said tokens as output: a
+wave of resumes after a failure is the same work re-prefilled, not another workload), and the
+KV tokens per running request. One shape for the whole
 federation: routing does not choose by shape, so every site runs the same mix, and a site
 that just joined has it at once. Until enough has finished, the MLPerf-like shape the GPU
 priors were measured on.

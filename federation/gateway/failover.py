@@ -352,12 +352,21 @@ class Generation:
         if len(ids) == self._produced:
             prompt_ids = list(original.input_ids) if original.input_ids else tokens.encode(original.text)
             return dataclasses.replace(
-                original, prompt_tokens=prompt_tokens, sampling_params=params, text="", input_ids=(*prompt_ids, *ids)
+                original,
+                prompt_tokens=prompt_tokens,
+                sampling_params=params,
+                text="",
+                input_ids=(*prompt_ids, *ids),
+                resumed_tokens=self._produced,
             )
         if original.text and not original.input_ids:  # the site sent text without ids: continue the text
             sent = "".join(self._text_parts)
             return dataclasses.replace(
-                original, prompt_tokens=prompt_tokens, sampling_params=params, text=original.text + sent
+                original,
+                prompt_tokens=prompt_tokens,
+                sampling_params=params,
+                text=original.text + sent,
+                resumed_tokens=self._produced,
             )
         raise refuse("the site did not send token ids")
 

@@ -16,6 +16,7 @@ from nodes.agent.delivered import DeliveredRate
 from nodes.agent.pool import WorkerPool
 
 OUTCOMES = ("completed", "cancelled", "failed", "refused")
+KINDS = ("prompt", "output")
 
 
 class _StateCollector(Collector):
@@ -82,6 +83,14 @@ class AgentMetrics:
             ["site"],
             registry=self.registry,
         ).labels(site)
+        completed = Counter(
+            "federation_agent_completed_tokens",
+            "Prompt and output tokens of the requests completed, as their clients asked for them (a resumed "
+            "answer's prompt less what it had said, its output with it): the site's workload shape.",
+            ["site", "kind"],
+            registry=self.registry,
+        )
+        self.completed_prompt_tokens, self.completed_output_tokens = (completed.labels(site, k) for k in KINDS)
         self.worker_restarts = Counter(
             "federation_agent_worker_restarts",
             "Launched workers started again after their process died (--launch).",

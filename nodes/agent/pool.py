@@ -83,9 +83,6 @@ class WorkerPool:
         self.session = session
         self.timings = timings  # the site's, shared with whoever calls the workers
         self._waiters: collections.deque[asyncio.Future[Worker]] = collections.deque()
-        # Prompt and output tokens of the requests the workers finished, since the agent started.
-        self.finished_prompt_tokens = 0.0
-        self.finished_output_tokens = 0.0
         self.work = WorkDone()  # what the workers say they did, since the agent started (nodes.agent.accounting)
 
     @property
@@ -182,7 +179,6 @@ class WorkerPool:
         stats = await sglang.scrape(self.session, worker.url, self.timings.health_timeout_s)
         if stats is None:
             return
-        self._count_finished(worker.stats, stats)
         self._count_work(worker, stats)
         worker.stats, worker.read_at = stats, time.monotonic()
 
@@ -232,12 +228,6 @@ class WorkerPool:
         )
         return False
 
-    def _count_finished(self, before: sglang.WorkerStats | None, now: sglang.WorkerStats) -> None:
-        """Add what the worker finished since its last scrape to the site's totals."""
-        if before is not None:
-            self.finished_prompt_tokens += _increase(before.prompt_tokens_total, now.prompt_tokens_total)
-            self.finished_output_tokens += _increase(before.generation_tokens_total, now.generation_tokens_total)
-
     def _count_work(self, worker: Worker, stats: sglang.WorkerStats) -> None:
         """Add the stretch of work this read closes, if it closes one, to the site's total."""
         if stats.accounting is None:
@@ -263,8 +253,3 @@ class WorkerPool:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(NoHealthyWorker("the site lost every worker while this request waited"))
-
-
-def _increase(before: float, now: float) -> float:
-    """A counter's increase between two reads; one lower than before restarted from 0."""
-    return now if now < before else now - before

@@ -110,6 +110,9 @@ class SiteAgentService(wire.SiteAgentServicer):
         self.starting = False
         self.ledger = _Ledger()
         self.delivered = DeliveredRate()
+        # The requests completed since the agent started, as their clients asked (`_count_completed`).
+        self.completed_prompt_tokens = 0
+        self.completed_output_tokens = 0
         self.metrics = AgentMetrics(site, pool, self.delivered)
         self._calls: dict[worker_stream.WorkerCall | RemoteCall, Worker] = {}  # to workers, for the watcher
         self._held: dict[Relayed, _Held] = {}  # generations at a worker: what they hold in the ledger
@@ -180,6 +183,7 @@ class SiteAgentService(wire.SiteAgentServicer):
                         self._relay(req, worker, expected, record), req, self.site, worker.url, record
                     )
                     outcome = "completed"
+                    self._count_completed(req, record)
                     return
                 except sglang.WorkerUnreachable as exc:
                     # The worker never answered: another one takes the request, unseen by the client.
@@ -202,6 +206,18 @@ class SiteAgentService(wire.SiteAgentServicer):
             raise
         finally:
             self.metrics.finished[outcome]()
+
+    def _count_completed(self, req: wire.GenerateRequest, record: Relayed) -> None:
+        """An answer ended as the client asked (stop, length): its work, as the client asked for it,
+        counts toward the site's workload shape (a resumed answer's said tokens are its output, not
+        its prompt)."""
+        if (record.finish or {}).get("type") in ("stop", "length"):
+            prompt = max(0, record.prompt_tokens - req.resumed_tokens)
+            output = record.completion_tokens + req.resumed_tokens
+            self.completed_prompt_tokens += prompt
+            self.completed_output_tokens += output
+            self.metrics.completed_prompt_tokens.inc(prompt)
+            self.metrics.completed_output_tokens.inc(output)
 
     async def _acquire(self, expected: int) -> Worker:
         """A worker slot for a request expected to produce `expected` tokens, counted in the ledger
@@ -343,8 +359,8 @@ class SiteAgentService(wire.SiteAgentServicer):
             slots=self.pool.slots,
             context_tokens=sum(s.used_tokens for s in stats),
             received_ids=tuple(received),
-            prompt_tokens_total=round(self.pool.finished_prompt_tokens),
-            generation_tokens_total=round(self.pool.finished_output_tokens),
+            prompt_tokens_total=self.completed_prompt_tokens,
+            generation_tokens_total=self.completed_output_tokens,
             work=self.pool.work,
             accounting_workers=self.pool.accounting_count,
             loop_cpu_s=time.thread_time(),  # called on the loop's thread: its CPU, as cpu_clock's "loop"

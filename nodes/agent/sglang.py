@@ -61,9 +61,6 @@ class WorkerStats:
     token_usage: float
     gen_throughput_tok_s: float
     used_tokens: int  # KV tokens held by the running requests: the context the GPU reads each step
-    # Counted as requests finish: their ratio is the workload's prompt tokens per output token.
-    prompt_tokens_total: float = 0.0
-    generation_tokens_total: float = 0.0
     accounting: Accounting | None = None  # None: the worker does not export it
 
 
@@ -164,8 +161,6 @@ GAUGES_READ = (
     "sglang:decode_sum_seq_lens",
 )
 COUNTERS_READ = (
-    "sglang:prompt_tokens",
-    "sglang:generation_tokens",
     "sglang:realtime_tokens",
     "sglang:cuda_graph_passes",
     "sglang:scheduler_idle_seconds",  # created at 0 when SGLang starts: its presence says the rest is exported
@@ -226,7 +221,5 @@ async def scrape(session: aiohttp.ClientSession, url: str, timeout_s: float) -> 
         token_usage=values.get("sglang:token_usage", 0.0),
         gen_throughput_tok_s=values.get("sglang:gen_throughput", 0.0),
         used_tokens=int(values.get("sglang:num_used_tokens", 0)),
-        prompt_tokens_total=values.get("sglang:prompt_tokens", 0.0),
-        generation_tokens_total=values.get("sglang:generation_tokens", 0.0),
         accounting=accounting,
     )
