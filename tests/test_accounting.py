@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from core.wire import WorkDone
-from nodes.agent.accounting import LONG_PASS_S, WorkMeter
+from nodes.agent.accounting import LONG_PASS_FACTOR, LONG_PASS_MIN_S, WorkMeter
 from nodes.agent.sglang import Accounting
 
 START = Accounting(
@@ -83,12 +83,15 @@ def test_a_pass_longer_than_a_read_interval_is_waited_for() -> None:
 
 
 def test_a_worker_busy_without_a_pass_for_long_says_so() -> None:
-    """A worker with requests that ends no pass for LONG_PASS_S is that slow: its stretch closes
-    with the time and no work."""
+    """A worker with requests that ends no pass for LONG_PASS_FACTOR times its recent pass (at
+    least LONG_PASS_MIN_S) is that slow: its stretch closes with the time and no work. Its recent
+    pass here is 1 s (an emulator slowed down), so 6 s without one is not yet that."""
     meter = WorkMeter()
     meter.add(START, False)
-    done = meter.add(_later(LONG_PASS_S + 0.1), False)
-    assert done is not None and done.passes == 0 and abs(done.busy_s - LONG_PASS_S - 0.1) < 1e-9
+    meter.add(_later(1.0, decode_passes=1, decode_tokens=200), False)
+    assert meter.add(_later(1.0 + LONG_PASS_MIN_S + 1, decode_passes=1, decode_tokens=200), False) is None
+    done = meter.add(_later(1.0 + LONG_PASS_FACTOR + 0.1, decode_passes=1, decode_tokens=200), False)
+    assert done is not None and done.passes == 0 and abs(done.busy_s - LONG_PASS_FACTOR - 0.1) < 1e-9
 
 
 def test_a_restarted_worker_starts_afresh() -> None:

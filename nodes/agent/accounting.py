@@ -42,10 +42,14 @@ IDLE_FRACTION = 0.2
 # A read this long after the one a stretch would start from starts afresh: the worker's
 # counters over that long say nothing about its speed now.
 MAX_STRETCH_S = 30.0
-# A worker with requests that ends no pass for this long is that slow now (a brownout deep
-# enough, a GPU nearly hung): the stretch closes with the time and no pass, rather than waiting
-# for the pass to end before anything is said.
-LONG_PASS_S = 5.0
+# A worker with requests that ends no pass for LONG_PASS_FACTOR times its recent pass (and at
+# least LONG_PASS_MIN_S) is that slow now (a brownout deep enough, a GPU nearly hung): the
+# stretch closes with the time and no pass, rather than waiting for the pass to end. A pass
+# carrying a whole prefill chunk lasts ~8 decode passes on an MI300X, and a slowed-down
+# emulator stretches every pass alike, so the bound is the worker's own pace, not a time.
+LONG_PASS_FACTOR = 10.0
+LONG_PASS_MIN_S = 5.0
+RECENT_PASSES = 0.2  # how much of each stretch's pass time the recent pass takes in
 
 
 class WorkMeter:
@@ -53,10 +57,11 @@ class WorkMeter:
 
     def __init__(self) -> None:
         self._last: Accounting | None = None
+        self._pass_s = 0.0  # the worker's recent pass, busy seconds per pass (0: none seen yet)
 
     def reset(self) -> None:
         """The worker restarted: its counters start again from 0."""
-        self._last = None
+        self._last, self._pass_s = None, 0.0
 
     def add(self, now: Accounting, mixed_chunk: bool) -> WorkDone | None:
         """The work done since the read the stretch starts from, or None when this read closes no
@@ -80,9 +85,13 @@ class WorkMeter:
         if restarted or span_s > MAX_STRETCH_S or idle_s > IDLE_FRACTION * span_s:
             self._last = now
             return None
-        if passes <= 0 and not (span_s >= LONG_PASS_S and now.running_requests):
+        long_pass_s = max(LONG_PASS_MIN_S, LONG_PASS_FACTOR * self._pass_s)
+        if passes <= 0 and not (span_s >= long_pass_s and now.running_requests):
             return None  # a pass longer than the stretch: the next read spans it
         self._last = now
+        if passes > 0:
+            pass_s = (span_s - idle_s) / passes
+            self._pass_s = pass_s if not self._pass_s else self._pass_s + RECENT_PASSES * (pass_s - self._pass_s)
         sequences = decoded
         if mixed_chunk:
             sequences += (now.prefill_passes - last.prefill_passes) * now.running_requests
