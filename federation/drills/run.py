@@ -98,9 +98,16 @@ DRILL_OPEN_REQUESTS = 18_000
 # or the federation would not need it to deliver the sum of its parts.
 ADD_SITE_OPEN_REQUESTS = 32_000
 GATEWAY_STREAMS_PER_PROCESS = 18_000  # each open request holds a socket; the fd limit is 20,000
-# Wall seconds of load before the fault (the ramp, half of it, then an answer's lifetime, ~300 s
-# at DRILL_SPEED, at full load), measured before it, and of load after it.
-DRILL_WINDOWS_S = (420.0, 20.0, 60.0)
+# Wall seconds of load before the fault, measured before it, and of load after it. The warm-up is
+# the ramp (half of it) and then an answer's lifetime at full load (~23 GPU-s at the US site,
+# ~470 s of wall time at DRILL_SPEED), so the window before sees the mix a long run would, not
+# the ramp's cohort. The window before spans ~25 passes of every worker (a pass at full batch is
+# ~2.4 s of wall time here), so its rate is not one pass's burst. The window after spans the
+# resume wave a fault sets off (the streams it cut re-prefill their prompts and what they had
+# said: ~2.5 GPU-s of the surviving GPUs' time, ~50 s of wall time, in which the federation
+# delivers about half its output) and five times that again, so that it measures what the
+# federation delivers once failed over, not only that wave (docs/CAPACITY.md).
+DRILL_WINDOWS_S = (600.0, 60.0, 300.0)
 # add-site: the new site's share must converge and hold, which at a twentieth of real speed takes
 # minutes of wall time (measured: the share within 10 % ~430 s after the join); its acceptance
 # (throughput_ratio, converge_s) is what the defaults run.
