@@ -7,7 +7,7 @@ benchmark measures beside it, so the difference is shown, not claimed.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from core.wire import RouteDecision, RouteRequest
 from core.work import expected_output_tokens
@@ -31,6 +31,9 @@ class SiteLoad:
 class RouteContext:
     rtt_s: Mapping[tuple[str, str], float]
     turn: int  # how many decisions came before this one (round robin)
+    # Of this request's prompt, the tokens each site likely holds in its prefix cache (the
+    # schedulers' directory, core/prefixes.py); a site not named holds none.
+    cached_tokens: Mapping[str, int] = field(default_factory=dict)
 
 
 Policy = Callable[[Sequence[SiteLoad], RouteRequest, RouteContext], RouteDecision | None]
@@ -57,8 +60,10 @@ FILL_PENALTY_S = 1.0
 def least_expected_delay(sites: Sequence[SiteLoad], req: RouteRequest, ctx: RouteContext) -> RouteDecision | None:
     """The site where this request would start soonest: the time until a slot frees there (the
     work queued beyond its running slots over its measured capacity), plus the WAN round trip
-    from the client's region (when the client says where it is), plus its prefill there, plus
-    a small penalty for how full the site is. Sites with free slots fill in proportion to their
+    from the client's region (when the client says where it is), plus its prefill there (of the
+    prompt less what the site likely holds in its prefix cache), plus a small penalty for how
+    full the site is. So a request goes where its prefix is cached unless another site would
+    start it sooner by more than re-prefilling it there costs. Sites with free slots fill in proportion to their
     slots; once all are full, queues grow in proportion to capacity — every site saturated, none
     with an idle slot while another has a queue. A site in slow start offers only the slots
     it has proven (`window`): beyond them, its requests count as waiting. None when no site
@@ -68,7 +73,7 @@ def least_expected_delay(sites: Sequence[SiteLoad], req: RouteRequest, ctx: Rout
     def delay(s: SiteLoad) -> float:
         """Seconds until this request's first token there: queue, WAN, prefill."""
         wan = ctx.rtt_s.get((req.client_region, s.region), 0.0) if req.client_region else 0.0
-        prefill = req.prompt_tokens * s.prefill_s_per_token
+        prefill = max(0, req.prompt_tokens - ctx.cached_tokens.get(s.site, 0)) * s.prefill_s_per_token
         if s.slots <= 0:  # the site does not say how many it runs: all its work counts as queued
             return (s.outstanding_tokens + work) / s.capacity_tok_s + wan + prefill
         open_slots = min(s.slots, s.window) if s.window else s.slots
@@ -83,7 +88,14 @@ def least_expected_delay(sites: Sequence[SiteLoad], req: RouteRequest, ctx: Rout
             fill = min(1.0, (s.outstanding_requests + 1) / s.slots) if s.slots > 0 else 0.0
         return delay(s) + FILL_PENALTY_S * fill
 
-    return _pick("least_expected_delay", [(score(s), s) for s in _candidates(sites, req)], delay)
+    candidates = _candidates(sites, req)
+    holder = max(candidates, key=lambda s: ctx.cached_tokens.get(s.site, 0), default=None)
+    if holder is not None and ctx.cached_tokens.get(holder.site, 0) > 0:
+        # Its prefix is cached there: it stays unless another site would start it sooner than
+        # that site, re-prefilling it, would (how full each is does not weigh against a hit).
+        if all(delay(holder) <= delay(s) for s in candidates):
+            return RouteDecision(holder.site, holder.agent_address, delay(holder), "least_expected_delay")
+    return _pick("least_expected_delay", [(score(s), s) for s in candidates], delay)
 
 
 def round_robin(sites: Sequence[SiteLoad], req: RouteRequest, ctx: RouteContext) -> RouteDecision | None:

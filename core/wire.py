@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
+from core import prefixes
 from proto import federation_pb2 as pb
 from proto import federation_pb2_grpc as pb_grpc
 
@@ -143,6 +144,7 @@ class RouteRequest:
     client_region: str = ""
     exclude_sites: tuple[str, ...] = ()
     dry_run: bool = False  # decide, but do not count the route
+    prefix_hashes: tuple[int, ...] = ()  # the prompt's block hashes (core/prefixes.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +239,7 @@ class GenerateRequest:
     top_logprobs: int = 0  # and this many most likely tokens at each position
     traceparent: str = ""  # the gateway's attempt span, W3C trace context ("": not traced; see the proto)
     resumed_tokens: int = 0  # of the prompt, what a resumed answer said before (see the proto)
+    prefix_hashes: tuple[int, ...] = ()  # the prompt's block hashes (core/prefixes.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,6 +379,7 @@ def _generate_request_to_pb(stream: int, r: GenerateRequest) -> pb.GenerateReque
         top_logprobs=r.top_logprobs,
         traceparent=r.traceparent,
         resumed_tokens=r.resumed_tokens,
+        prefix_hashes=r.prefix_hashes,
     )
 
 
@@ -451,7 +455,15 @@ def command_from_pb(m: pb.SchedulerCommand) -> SchedulerCommand:
 
 
 def route_request_from_pb(m: pb.RouteRequest) -> RouteRequest:
-    return RouteRequest(m.request_id, m.prompt_tokens, m.max_tokens, m.client_region, tuple(m.exclude_sites), m.dry_run)
+    return RouteRequest(
+        m.request_id,
+        m.prompt_tokens,
+        m.max_tokens,
+        m.client_region,
+        tuple(m.exclude_sites),
+        m.dry_run,
+        tuple(m.prefix_hashes[: prefixes.MAX_BLOCKS]),
+    )
 
 
 def decision_from_pb(m: pb.RouteDecision) -> RouteDecision:
@@ -505,6 +517,7 @@ def generate_command_from_pb(m: pb.GenerateCommand) -> GenerateCommand:
             r.top_logprobs,
             r.traceparent,
             r.resumed_tokens,
+            tuple(r.prefix_hashes[: prefixes.MAX_BLOCKS]),
         )
         starts.append((r.stream, request))
     return GenerateCommand(tuple(starts), tuple(m.cancel), tuple(refused))

@@ -153,20 +153,22 @@ class SchedulerCommand(_message.Message):
     def __init__(self, command: _Optional[_Union[Command, str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "client_region", "prompt_tokens", "max_tokens", "exclude_sites", "dry_run")
+    __slots__ = ("request_id", "client_region", "prompt_tokens", "max_tokens", "exclude_sites", "dry_run", "prefix_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REGION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_SITES_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     client_region: str
     prompt_tokens: int
     max_tokens: int
     exclude_sites: _containers.RepeatedScalarFieldContainer[str]
     dry_run: bool
-    def __init__(self, request_id: _Optional[str] = ..., client_region: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_sites: _Optional[_Iterable[str]] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., client_region: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_sites: _Optional[_Iterable[str]] = ..., dry_run: _Optional[bool] = ..., prefix_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
     __slots__ = ("site", "agent_address", "expected_delay_s", "reason")
@@ -318,7 +320,7 @@ class SiteRef(_message.Message):
     def __init__(self, site: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "input_ids", "sampling_params_json", "prompt_tokens", "stream", "every_event", "logprobs", "top_logprobs", "traceparent", "resumed_tokens")
+    __slots__ = ("request_id", "text", "input_ids", "sampling_params_json", "prompt_tokens", "stream", "every_event", "logprobs", "top_logprobs", "traceparent", "resumed_tokens", "prefix_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +332,7 @@ class GenerateRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -341,7 +344,8 @@ class GenerateRequest(_message.Message):
     top_logprobs: int
     traceparent: str
     resumed_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., stream: _Optional[int] = ..., every_event: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., stream: _Optional[int] = ..., every_event: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateCommand(_message.Message):
     __slots__ = ("start", "cancel")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from core.policy import SiteLoad
+from core.prefixes import PrefixDirectory
 from core.recipes import DEFAULT_RECIPES
 from core.settings import SchedulerTimings
 from core.wire import RefusedSite, RouteRequest, SiteRegistration, SiteReport, SiteState, SiteStatus
@@ -99,6 +100,7 @@ class Registry:
         self.sites: dict[str, Site] = {}
         self.refused: dict[str, RefusedSite] = {}  # by site name, until that site joins
         self.workload = WorkloadMix()  # what every site's capacity is scaled to
+        self.prefixes = PrefixDirectory()  # which site was sent which prompt prefixes (core/prefixes.py)
 
     def refuse(self, name: str, reason: str) -> RegistrationRefused:
         """Remember why `name` was refused (for `fedctl status`); the error to raise. Only the
@@ -146,6 +148,7 @@ class Registry:
         if old is not None:  # an agent that restarted keeps its counters and admin state
             site.routed_requests, site.draining = old.routed_requests, old.draining
         self.sites[reg.name] = site
+        self.prefixes.forget(reg.name)  # an agent (re)starting: what its workers held is not known
         return site
 
     def get(self, name: str) -> Site:
@@ -177,6 +180,7 @@ class Registry:
         site = self.sites.get(name)
         if site is not None:
             site.status = SiteStatus.DOWN
+            self.prefixes.forget(name)
 
     def expire(self, now: float) -> list[str]:
         """Sites silent for longer than the heartbeat timeout go down; returns their names."""
@@ -185,6 +189,7 @@ class Registry:
             silent = now - site.last_report_at > self.heartbeat_timeout_s
             if site.status is not SiteStatus.DOWN and site.last_report_at and silent:
                 site.status = SiteStatus.DOWN
+                self.prefixes.forget(site.registration.name)
                 gone.append(site.registration.name)
         return gone
 
@@ -199,6 +204,7 @@ class Registry:
         site = self.get(name)
         del self.sites[name]
         self.workload.forget(name)
+        self.prefixes.forget(name)
         site.status = SiteStatus.DOWN
         return site
 
@@ -229,6 +235,7 @@ class Registry:
                 other.outstanding_requests -= 1
                 other.outstanding_tokens -= superseded[1]
         tokens = expected_output_tokens(req.max_tokens)
+        self.prefixes.record(name, req.prefix_hashes)
         site.routed_requests += 1
         site.in_transit[req.request_id] = (now, tokens)
         site.outstanding_requests += 1

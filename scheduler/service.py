@@ -182,7 +182,9 @@ class SchedulerService(wire.SchedulerServicer):
     def _decide(self, req: wire.RouteRequest) -> wire.RouteDecision | None:
         """The site for `req` (None: no site is ready), counted unless it is a dry run."""
         started = time.perf_counter()
-        decision = self.policy(self.registry.routable(), req, RouteContext(self.rtt_s, self._decisions))
+        sites = self.registry.routable()
+        cached = self.registry.prefixes.cached_tokens([s.site for s in sites], req.prefix_hashes)
+        decision = self.policy(sites, req, RouteContext(self.rtt_s, self._decisions, cached))
         if decision is None:
             self.metrics.routes.labels("", "no_site").inc()
             return None

@@ -157,7 +157,11 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
     bound = log.bind(request_id=request_id, kind=job.kind, stream=job.stream, key=key_name)
     outcome, answer, error = "error", Answer(job), None
     route = wire.RouteRequest(
-        request_id, job.request.prompt_tokens, job.max_tokens, request.headers.get("X-Client-Region", "")
+        request_id,
+        job.request.prompt_tokens,
+        job.max_tokens,
+        request.headers.get("X-Client-Region", ""),
+        prefix_hashes=job.request.prefix_hashes,  # a resume keeps them: the original prompt's blocks lead its own
     )
 
     def headers() -> dict[str, str]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import date
 from typing import Any, Literal
 
-from core import tokens, wire
+from core import prefixes, tokens, wire
 from core.errors import BadRequest, ModelNotFound
 from federation.gateway import chat, request_models, responses_api
 
@@ -32,9 +32,9 @@ class Job:
     echo: dict[str, Any] | None = None  # /v1/responses: the request's fields its Response says back
 
 
-def _count(text: str, context_tokens: int, param: str) -> int:
+def _encode(text: str, context_tokens: int, param: str) -> list[int]:
     try:
-        return tokens.count(text, limit=context_tokens)
+        return tokens.encode(text, limit=context_tokens)
     except tokens.PromptTooLong as exc:
         raise BadRequest(
             f"The input is longer than the model's context of {context_tokens} tokens: {exc}.", param=param
@@ -109,6 +109,7 @@ def chat_job(body: dict[str, Any], *, request_id: str, served_model: str, contex
         every_event=req.stream_interval is not None,
         logprobs=bool(req.logprobs),
         top_logprobs=req.top_logprobs or 0,
+        prefix_hashes=prefixes.prefix_hashes(rendered.prompt_ids),
     )
     return _job("chat", req, request, asked or 0)
 
@@ -133,16 +134,25 @@ def completion_job(body: dict[str, Any], *, request_id: str, served_model: str, 
     request_models.refuse_not_honoured(req)
     prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
     if isinstance(prompt, str) and prompt:
-        text, ids, prompt_tokens = prompt, (), _count(prompt, context_tokens, "prompt")
+        text, ids, encoded = prompt, (), _encode(prompt, context_tokens, "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        text, ids, prompt_tokens = "", tuple(prompt), len(prompt)
+        text, ids, encoded = "", tuple(prompt), prompt
     else:
         raise BadRequest("`prompt` must be one non-empty string or one list of token ids", param="prompt")
+    prompt_tokens = len(encoded)
     asked = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
     params = {**req.sampling(), "max_new_tokens": _budget(asked, "max_tokens", prompt_tokens, context_tokens, "prompt")}
     top = req.logprobs
     request = wire.GenerateRequest(
-        request_id, prompt_tokens, params, text, ids, req.stream_interval is not None, top is not None, top or 0
+        request_id,
+        prompt_tokens,
+        params,
+        text,
+        ids,
+        req.stream_interval is not None,
+        top is not None,
+        top or 0,
+        prefix_hashes=prefixes.prefix_hashes(encoded),
     )
     return _job("completion", req, request, asked)
 
@@ -152,13 +162,14 @@ def generate_job(body: dict[str, Any], *, request_id: str, served_model: str, co
     (with SGLang's own messages). A `rid` is the request's id, as X-Request-Id is."""
     req = request_models.parse(request_models.GenerateRequest, body)
     if req.text:
-        prompt_tokens, ids, text = _count(req.text, context_tokens, "text"), (), req.text
+        encoded, ids, text = _encode(req.text, context_tokens, "text"), (), req.text
     elif req.input_ids:
-        prompt_tokens, ids, text = len(req.input_ids), tuple(req.input_ids), ""
+        encoded, ids, text = req.input_ids, tuple(req.input_ids), ""
     else:
         raise BadRequest(
             f"Either text (a string) or input_ids (a list of token ids in [0, {tokens.VOCAB_SIZE})) should be provided."
         )
+    prompt_tokens = len(encoded)
     if prompt_tokens >= context_tokens:
         raise BadRequest(
             f"The input ({prompt_tokens} tokens) is longer than the model's context length ({context_tokens} tokens)."
@@ -173,6 +184,14 @@ def generate_job(body: dict[str, Any], *, request_id: str, served_model: str, co
     every_event = sampling.get("stream_interval") is not None
     top = req.top_logprobs_num if req.return_logprob else None
     request = wire.GenerateRequest(
-        req.rid or request_id, prompt_tokens, sampling, text, ids, every_event, top is not None, top or 0
+        req.rid or request_id,
+        prompt_tokens,
+        sampling,
+        text,
+        ids,
+        every_event,
+        top is not None,
+        top or 0,
+        prefix_hashes=prefixes.prefix_hashes(encoded),
     )
     return Job("generate", request, max_new or 0, req.stream, False, served_model)

@@ -1,0 +1,82 @@
+"""Where a prompt's prefix is likely cached, known by hashes only (core/prefixes.py), and the
+policy that sends a request there unless another site starts it sooner by more than the
+re-prefill costs (core/policy.py)."""
+
+from __future__ import annotations
+
+import resource
+
+from core.policy import RouteContext, SiteLoad, least_expected_delay
+from core.prefixes import BLOCK_TOKENS, PrefixDirectory, prefix_hashes
+from core.wire import RouteRequest
+
+SYSTEM = list(range(1000, 1000 + 2048))  # a 2,048-token system prompt: 32 blocks
+
+
+def test_equal_prefixes_have_equal_hashes_and_only_whole_blocks_count() -> None:
+    """Two prompts sharing a system prompt share its blocks' hashes and none after; a partial last
+    block is not hashed; a key changes every hash (a hash is no use without it)."""
+    a, b = prefix_hashes(SYSTEM + [1, 2, 3] * 30), prefix_hashes(SYSTEM + [4, 5, 6] * 30)
+    assert len(a) == len(b) == (2048 + 90) // BLOCK_TOKENS
+    assert a[:32] == b[:32] and a[32] != b[32]
+    assert prefix_hashes(SYSTEM[:63]) == ()
+    assert not set(prefix_hashes(SYSTEM, key=b"federation secret")) & set(prefix_hashes(SYSTEM))
+    # A block's hash covers every block before it: the same block after another prefix differs.
+    assert prefix_hashes(SYSTEM[64:128]) != prefix_hashes(SYSTEM[:128])[1:]
+
+
+def test_the_directory_says_how_much_of_a_prefix_each_place_holds() -> None:
+    """A site sent a request with the system prompt and a question holds the system prompt and
+    that question's blocks; a new question after the same system prompt finds its 2,048 tokens
+    there and nothing at a site never sent it; a site that went down holds nothing."""
+    directory = PrefixDirectory()
+    directory.record("us", prefix_hashes(SYSTEM + [7] * 200))
+    asked = prefix_hashes(SYSTEM + [8] * 200)
+    assert directory.cached_tokens(["us", "kr"], asked) == {"us": 2048, "kr": 0}
+    directory.forget("us")
+    assert directory.cached_tokens(["us"], asked) == {"us": 0}
+
+
+def test_the_directory_stays_within_its_bound_under_a_flood_of_distinct_prefixes() -> None:
+    """100,000 requests of distinct 1,024-token prompts (1.6 M blocks) leave at most its bound of
+    entries and a few tens of MB more memory; the most recent prefixes are the ones kept."""
+    directory = PrefixDirectory(max_entries=50_000)
+    before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    last = ()
+    for i in range(100_000):
+        last = tuple(hash((i, j)) & 0xFFFF_FFFF_FFFF_FFFF for j in range(16))  # as prefix_hashes gives
+        directory.record(f"site{i % 7}", last)
+    assert len(directory) == 50_000
+    assert directory.cached_tokens([f"site{99_999 % 7}"], last) == {f"site{99_999 % 7}": 16 * BLOCK_TOKENS}
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kb) / 1024
+    assert grown_mb < 40, grown_mb
+
+
+def _site(name: str, outstanding_requests: int) -> SiteLoad:
+    """A site of 1,000 slots delivering 100 k tok/s, prefilling at 10 µs a token (MI355X-like)."""
+    return SiteLoad(
+        name,
+        "r",
+        name + ":1",
+        capacity_tok_s=100_000.0,
+        outstanding_tokens=outstanding_requests * 200,
+        outstanding_requests=outstanding_requests,
+        slots=1000,
+        prefill_s_per_token=1e-5,
+    )
+
+
+def test_a_request_goes_where_its_prefix_is_unless_another_site_starts_it_sooner_by_more() -> None:
+    """A 20,000-token conversation whose history site `a` holds: with both sites as loaded, it
+    goes to `a` (0.2 s of prefill saved there); with both full and `a` so queued that the
+    request would start there later by more than that, to `b`."""
+    req = RouteRequest("r", prompt_tokens=20_000, max_tokens=200)
+    cached = RouteContext({}, 0, {"a": 19_968})
+    assert least_expected_delay([_site("a", 500), _site("b", 500)], req, cached).site == "a"
+    assert least_expected_delay([_site("a", 500), _site("b", 480)], req, RouteContext({}, 0)).site == "b"
+    # a fuller than b, with free slots: a hit still starts it sooner, so it stays.
+    assert least_expected_delay([_site("a", 900), _site("b", 500)], req, cached).site == "a"
+    assert least_expected_delay([_site("a", 900), _site("b", 500)], req, RouteContext({}, 0)).site == "b"
+    # b full, one ahead of this request: it starts there in 2 ms, and prefills it all (0.2 s).
+    assert least_expected_delay([_site("a", 1050), _site("b", 1000)], req, cached).site == "a"  # 51 ahead: 0.1 s
+    assert least_expected_delay([_site("a", 1150), _site("b", 1000)], req, cached).site == "b"  # 151 ahead: 0.3 s
