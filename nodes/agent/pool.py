@@ -8,6 +8,14 @@ A worker is given only a few requests more than it runs at once; the rest wait h
 one queue for the site, and go to whichever worker frees a slot first. A request parked
 in one worker's queue would wait for that worker even while another sits idle, and every
 parked request would hold a connection (a site at MLPerf load has ~20 k requests open).
+
+A request whose prompt's prefix a worker likely holds in its prefix cache goes to that worker,
+as the sglang-router's `cache_aware` policy sends it, with its defaults: when at least
+CACHE_THRESHOLD of the prompt's blocks are there, unless the workers' loads are out of balance
+(the busiest runs BALANCE_ABS more than the idlest and BALANCE_REL times as many); otherwise to
+the least loaded. What each worker holds is remembered from the block hashes the gateway sent
+(core/prefixes.py), as the router remembers the text it sent each worker: an approximation,
+but one that needs nothing from the workers and no prompt text.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import structlog
 
+from core.prefixes import BLOCK_TOKENS, PrefixDirectory
 from core.settings import AgentTimings
 from core.wire import WorkDone
 from nodes.agent import sglang
@@ -34,6 +43,11 @@ FAILURES_TO_UNHEALTHY = 2  # one missed check is noise; two in a row is a sick w
 # its next step, without waiting for the agent to hear of it and send another.
 HEADROOM_FRACTION = 0.02
 HEADROOM_MIN = 4
+# The sglang-router's cache_aware defaults (`--cache-threshold`, `--balance-abs-threshold`,
+# `--balance-rel-threshold`, sglang-router 0.3.2).
+CACHE_THRESHOLD = 0.3
+BALANCE_ABS = 64
+BALANCE_REL = 1.5
 
 
 @dataclass(slots=True)
@@ -82,7 +96,9 @@ class WorkerPool:
         self.any_healthy = asyncio.Event()  # set once some worker has passed a health check
         self.session = session
         self.timings = timings  # the site's, shared with whoever calls the workers
-        self._waiters: collections.deque[asyncio.Future[Worker]] = collections.deque()
+        # Requests waiting for a slot, with their prompts' block hashes.
+        self._waiters: collections.deque[tuple[asyncio.Future[Worker], tuple[int, ...]]] = collections.deque()
+        self.prefixes = PrefixDirectory()  # which worker was sent which prefix blocks (by url)
         self.work = WorkDone()  # what the workers say they did, since the agent started (nodes.agent.accounting)
 
     @property
@@ -104,44 +120,61 @@ class WorkerPool:
         """Requests the healthy workers run at once (0: they do not say)."""
         return sum(w.info.max_running_requests or 0 for w in self.workers if w.healthy and w.info)
 
-    async def acquire(self) -> Worker:
-        """A healthy worker with room, reserved for one request; waits in FIFO order for a free slot."""
+    async def acquire(self, prefix_hashes: tuple[int, ...] = ()) -> Worker:
+        """A healthy worker with room, reserved for one request (the one likely to hold its prompt's
+        prefix, if any: module docstring); waits in FIFO order for a free slot."""
         if not self.healthy_count:
             raise NoHealthyWorker("no healthy worker at this site")
-        worker = None if self._waiters else self._pick()
+        worker = None if self._waiters else self._pick(prefix_hashes)
         if worker is not None:
-            worker.outstanding_requests += 1
+            self._take(worker, prefix_hashes)
             return worker
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        entry = (waiter, prefix_hashes)
+        self._waiters.append(entry)
         try:
             return await waiter
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 self.release(waiter.result())  # handed a slot just as the caller left
-            elif waiter in self._waiters:  # _dispatch may have dropped it already
-                self._waiters.remove(waiter)
+            elif entry in self._waiters:  # _dispatch may have dropped it already
+                self._waiters.remove(entry)
             raise
+
+    def _take(self, worker: Worker, prefix_hashes: tuple[int, ...]) -> None:
+        worker.outstanding_requests += 1
+        self.prefixes.record(worker.url, prefix_hashes)
 
     def release(self, worker: Worker) -> None:
         worker.outstanding_requests -= 1
         self._dispatch()
 
-    def _pick(self) -> Worker | None:
-        """The healthy worker with room and the least work still to do."""
+    def _pick(self, prefix_hashes: tuple[int, ...] = ()) -> Worker | None:
+        """The healthy worker with room likely to hold the prompt's prefix, while the loads are in
+        balance; else the one with the least work still to do."""
         candidates = [w for w in self.workers if w.healthy and w.has_room]
         if not candidates:
             return None
-        return min(candidates, key=lambda w: (w.outstanding_tokens, w.outstanding_requests))
+        least = min(candidates, key=lambda w: (w.outstanding_tokens, w.outstanding_requests))
+        if not prefix_hashes:
+            return least
+        loads = [w.outstanding_requests for w in self.workers if w.healthy]
+        if max(loads) - min(loads) > BALANCE_ABS and max(loads) > BALANCE_REL * min(loads):
+            return least
+        cached = self.prefixes.cached_tokens([w.url for w in candidates], prefix_hashes)
+        holder = max(candidates, key=lambda w: cached[w.url])
+        held = cached[holder.url] / (len(prefix_hashes) * BLOCK_TOKENS)
+        return holder if held >= CACHE_THRESHOLD else least
 
     def _dispatch(self) -> None:
         while self._waiters:
-            worker = self._pick()
+            waiter, prefix_hashes = self._waiters[0]
+            worker = self._pick(prefix_hashes)
             if worker is None:
                 return
-            waiter = self._waiters.popleft()
+            self._waiters.popleft()
             if not waiter.done():
-                worker.outstanding_requests += 1
+                self._take(worker, prefix_hashes)
                 waiter.set_result(worker)
 
     async def check_all(self) -> None:
@@ -173,6 +206,7 @@ class WorkerPool:
         self.mark_failed(worker)
         worker.loading, worker.info, worker.stats, worker.failures = True, None, None, 0
         worker.meter.reset()
+        self.prefixes.forget(worker.url)  # it holds nothing it held before
 
     async def _read(self, worker: Worker) -> None:
         """Its /metrics: its load, and the stretch of its own accounting this read closes."""
@@ -250,6 +284,6 @@ class WorkerPool:
             return
         log.warning("site.no_healthy_worker", failed_waiting=len(self._waiters))
         while self._waiters:
-            waiter = self._waiters.popleft()
+            waiter, _ = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(NoHealthyWorker("the site lost every worker while this request waited"))

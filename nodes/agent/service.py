@@ -177,7 +177,7 @@ class SiteAgentService(wire.SiteAgentServicer):
         outcome = "failed"
         try:
             for attempt in range(1, CONNECT_ATTEMPTS + 1):
-                worker = await self._acquire(expected)
+                worker = await self._acquire(expected, req.prefix_hashes)
                 try:
                     await spans.worker_call(
                         self._relay(req, worker, expected, record), req, self.site, worker.url, record
@@ -219,14 +219,14 @@ class SiteAgentService(wire.SiteAgentServicer):
             self.metrics.completed_prompt_tokens.inc(prompt)
             self.metrics.completed_output_tokens.inc(output)
 
-    async def _acquire(self, expected: int) -> Worker:
+    async def _acquire(self, expected: int, prefix_hashes: tuple[int, ...] = ()) -> Worker:
         """A worker slot for a request expected to produce `expected` tokens, counted in the ledger
         while it waits and runs; SiteFailed if the site has no healthy worker or no slot in time."""
         self.ledger.arrive(expected)
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.timings.first_token_timeout_s):
-                worker = await self.pool.acquire()
+                worker = await self.pool.acquire(prefix_hashes)
             self.metrics.queue_wait.observe(time.monotonic() - started)
             return worker
         except BaseException as exc:
