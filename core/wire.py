@@ -276,6 +276,7 @@ class TokenDelta(NamedTuple):
     error_message: str = ""
     logprobs: tuple[float, ...] = ()  # asked for: one per output id
     top: tuple[tuple[tuple[int, float], ...], ...] = ()  # and at each position the most likely (id, logprob)
+    cached_tokens: int = 0  # of the prompt, found in the worker's prefix cache (on a stream's first and last)
 
 
 class TokenFlow(NamedTuple):
@@ -400,6 +401,7 @@ def token_batch_to_pb(deltas: Sequence[TokenDelta], flow: TokenFlow | None = Non
             output_ids=d.output_ids,
             completion_tokens=d.completion_tokens,
             prompt_tokens=d.prompt_tokens,
+            cached_tokens=d.cached_tokens,
         )
         if d.finish_reason is not None:
             m.finish_reason_json = json.dumps(d.finish_reason)
@@ -558,6 +560,7 @@ def token_deltas_from_pb(m: pb.TokenBatch) -> list[TokenDelta]:
             d.error_message,
             tuple(d.logprobs) if d.logprobs else (),
             _top(d) if d.top_ids else (),
+            d.cached_tokens,
         )
         for d in m.deltas
     ]
@@ -576,7 +579,7 @@ def token_flow_from_pb(f: pb.TokenFlow) -> tuple[list[int], list[str], list[tupl
 
 
 # A flow delta's fields after its completion_tokens: prompt_tokens and the rest at their defaults.
-_FLOW_DEFAULTS = (0, None, "", 0.0, StreamError.NONE, "", (), ())
+_FLOW_DEFAULTS = (0, None, "", 0.0, StreamError.NONE, "", (), (), 0)
 
 
 def _top(d: pb.TokenDelta) -> tuple[tuple[tuple[int, float], ...], ...]:

@@ -356,7 +356,7 @@ class GenerateCommand(_message.Message):
     def __init__(self, start: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("stream", "text", "output_ids", "completion_tokens", "prompt_tokens", "finish_reason_json", "worker", "accepted_unix_s", "error", "error_message", "logprobs", "top_ids", "top_logprobs")
+    __slots__ = ("stream", "text", "output_ids", "completion_tokens", "prompt_tokens", "finish_reason_json", "worker", "accepted_unix_s", "error", "error_message", "logprobs", "top_ids", "top_logprobs", "cached_tokens")
     STREAM_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +370,7 @@ class TokenDelta(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     stream: int
     text: str
     output_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -383,7 +384,8 @@ class TokenDelta(_message.Message):
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, stream: _Optional[int] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., completion_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., finish_reason_json: _Optional[str] = ..., worker: _Optional[str] = ..., accepted_unix_s: _Optional[float] = ..., error: _Optional[_Union[StreamError, str]] = ..., error_message: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, stream: _Optional[int] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., completion_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., finish_reason_json: _Optional[str] = ..., worker: _Optional[str] = ..., accepted_unix_s: _Optional[float] = ..., error: _Optional[_Union[StreamError, str]] = ..., error_message: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("deltas", "flow")

@@ -236,7 +236,7 @@ async def test_a_paused_worker_call_reads_nothing_until_resumed(workers: Emulato
             "sampling_params": {"max_new_tokens": 5000, "ignore_eos": True},
         },
         incremental=True,
-        on_event=lambda text, ids, completion, prompt, finish: events.append(completion),
+        on_event=lambda text, ids, completion, prompt, finish, cached: events.append(completion),
         heard=_Heard(),
         connect_timeout_s=5,
     )
@@ -310,7 +310,7 @@ async def test_an_event_that_cannot_be_carried_or_taken_fails_its_own_call_alone
         got: dict[str, list[int]] = {"huge": [], "sink": [], "plain": []}
 
         def sink(rid: str):
-            def on_event(text: str, ids: list[int], completion: int, prompt: int, finish: object) -> None:
+            def on_event(text: str, ids: list[int], completion: int, prompt: int, finish: object, cached: int) -> None:
                 if rid == "sink":
                     raise ValueError("a sink that breaks")
                 got[rid].append(completion)
@@ -363,7 +363,7 @@ async def test_a_hung_reader_is_killed_and_replaced() -> None:
             url,
             {"rid": "slow", "input_ids": [1]},
             incremental=True,
-            on_event=lambda text, ids, completion, prompt, finish: events.append(completion),
+            on_event=lambda text, ids, completion, prompt, finish, cached: events.append(completion),
             heard=_Heard(),
             connect_timeout_s=5,
         )

@@ -33,7 +33,7 @@ class Events:
         self.counts: list[int] = []
         self.finish: Any = None
 
-    def __call__(self, text: str, ids: list[int], completion: int, prompt: int, finish: Any) -> None:
+    def __call__(self, text: str, ids: list[int], completion: int, prompt: int, finish: Any, cached: int) -> None:
         self.text.append(text)
         self.ids.extend(ids)
         self.counts.append(completion)

@@ -123,6 +123,7 @@ class Chunk(NamedTuple):
     site: str
     logprobs: tuple[float, ...] = ()  # asked for: one per output id
     top: tuple[tuple[tuple[int, float], ...], ...] = ()
+    cached_tokens: int = 0  # of the prompt, found in prefix caches so far (every site the answer used)
 
 
 _new = tuple.__new__  # a tuple's own constructor: half the NamedTuple's, at the token rate
@@ -166,6 +167,9 @@ class Generation:
         self._out = out
         self.retries = 0
         self.resumed = 0
+        # Of the prompt, the tokens found in prefix caches: by the sites that failed it, and by the
+        # one answering now (each delta that carries it says it again).
+        self._cached_before = self._cached_now = 0
         self.sites: list[str] = []  # every site that sent this answer tokens, in order
         self.accepted_unix_s = 0.0  # when the first site's agent took the request (wall clock)
         self.routed_at: float | None = None  # when the first route was decided (time.monotonic())
@@ -192,6 +196,7 @@ class Generation:
                 return
             except UpstreamFailed as exc:
                 self._failed(decision.site, exc)
+                self._cached_before, self._cached_now = self._cached_before + self._cached_now, 0
                 request = self._continuation(exc)
                 if request is None:  # every token asked for was sent: only the finish was lost
                     self._deliver(self._finished_by_length(decision.site))
@@ -306,7 +311,9 @@ class Generation:
         produced = self._count(site, delta.text, delta.output_ids, delta.completion_tokens)
         if finish is not None and self._offset and finish.get("type") == "length":
             finish = {**finish, "length": self._max_new_tokens}
-        return _new(Chunk, (delta.text, delta.output_ids, produced, finish, site, delta.logprobs, delta.top))
+        self._cached_now = delta.cached_tokens or self._cached_now
+        cached = self._cached_before + self._cached_now
+        return _new(Chunk, (delta.text, delta.output_ids, produced, finish, site, delta.logprobs, delta.top, cached))
 
     def _count(self, site: str, text: str, output_ids: tuple[int, ...], completion_tokens: int) -> int:
         """Keep what a site sent (a resume sends it to the next) and count it; returns the tokens
@@ -371,4 +378,5 @@ class Generation:
         raise refuse("the site did not send token ids")
 
     def _finished_by_length(self, site: str) -> Chunk:
-        return Chunk("", (), self._produced, {"type": "length", "length": self._max_new_tokens}, site)
+        finish = {"type": "length", "length": self._max_new_tokens}
+        return Chunk("", (), self._produced, finish, site, cached_tokens=self._cached_before + self._cached_now)

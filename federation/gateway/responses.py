@@ -62,9 +62,16 @@ def openai_finish_reason(finish: dict[str, Any] | None) -> str:
     raise UpstreamFailed(f"the site ended the generation: {(finish or {}).get('message', 'no finish reason')}")
 
 
-def usage(job: Job, completion_tokens: int) -> dict[str, int]:
+def usage(job: Job, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage, as SGLang gives it with --enable-cache-report: the prompt's tokens found in
+    the prefix cache in `prompt_tokens_details` (summed over the sites a resumed answer used)."""
     prompt = job.request.prompt_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def sse(event: Any) -> bytes:
@@ -103,6 +110,7 @@ class Answer:
         self.text_parts: list[str] = []
         self.output_ids: list[int] = []
         self.completion_tokens = 0
+        self.cached_tokens = 0  # of the prompt, found in prefix caches (summed over a resume's sites)
         self.finish: dict[str, Any] | None = None
         self.site = ""
         self.error: str | None = None  # why a stream ended early, after its first byte
@@ -133,6 +141,7 @@ class Answer:
         if self._logprobs_asked:
             self._add_logprobs(chunk)
         self.completion_tokens = chunk.completion_tokens
+        self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
         self.finish = chunk.finish_reason or self.finish
         self.site = chunk.site or self.site
 
@@ -235,7 +244,7 @@ class Answer:
             return {
                 **self._head("chat.completion"),
                 "choices": [choice],
-                "usage": usage(self.job, self.completion_tokens),
+                "usage": usage(self.job, self.completion_tokens, self.cached_tokens),
             }
         choice = {
             "index": 0,
@@ -243,7 +252,11 @@ class Answer:
             "logprobs": logprobs.merge_completion(self.logprob_parts),
             "finish_reason": finish,
         }
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage(self.job, self.completion_tokens)}
+        return {
+            **self._head("text_completion"),
+            "choices": [choice],
+            "usage": usage(self.job, self.completion_tokens, self.cached_tokens),
+        }
 
     def meta_info(self, e2e_latency_s: float | None) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -251,7 +264,7 @@ class Answer:
             "finish_reason": self.finish,
             "prompt_tokens": self.job.request.prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "cached_tokens": 0,
+            "cached_tokens": self.cached_tokens,
             "site": self.site,
         }
         if e2e_latency_s is not None:
@@ -292,7 +305,7 @@ class Answer:
             choice = {"index": 0, "text": chunk.text, "logprobs": self._chunk_logprobs, "finish_reason": None}
             event: dict[str, Any] = {**self._head("text_completion"), "choices": [choice]}
             if self.job.continuous_usage:
-                event["usage"] = usage(self.job, self.completion_tokens)
+                event["usage"] = usage(self.job, self.completion_tokens, self.cached_tokens)
             return sse(event)
         return self._text_event(chunk.text) if chunk.text else b""
 
@@ -340,7 +353,7 @@ class Answer:
             "choices": [{"index": 0, "delta": delta, "logprobs": lps, "finish_reason": None}],
         }
         if self.job.continuous_usage:
-            event["usage"] = usage(self.job, self.completion_tokens)
+            event["usage"] = usage(self.job, self.completion_tokens, self.cached_tokens)
         return sse(event)
 
     def _text_template(self) -> tuple[bytes, ...]:
@@ -364,7 +377,13 @@ class Answer:
             choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
         events = sse({**self._head(kind), "choices": [choice]})
         if self.job.include_usage:
-            events += sse({**self._head(kind), "choices": [], "usage": usage(self.job, self.completion_tokens)})
+            events += sse(
+                {
+                    **self._head(kind),
+                    "choices": [],
+                    "usage": usage(self.job, self.completion_tokens, self.cached_tokens),
+                }
+            )
         return events
 
 

@@ -195,7 +195,7 @@ class ResponseEvents:
             "output": [_item(item, "completed") for item in answer.items] if status != "in_progress" else [],
             "usage": {
                 "input_tokens": job.request.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": answer.cached_tokens},
                 "output_tokens": output_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": job.request.prompt_tokens + output_tokens,

@@ -100,7 +100,9 @@ async def _one(worker: Worker, timings: AgentTimings, watch: LoopWatch) -> float
     first = last = None
     tokens = 0
 
-    def on_event(text: str, ids: list[int], completion_tokens: int, prompt_tokens: int, finish: object) -> None:
+    def on_event(
+        text: str, ids: list[int], completion_tokens: int, prompt_tokens: int, finish: object, cached: int
+    ) -> None:
         nonlocal first, last, tokens
         now = time.monotonic()
         first = first or now

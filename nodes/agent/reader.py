@@ -168,8 +168,10 @@ class AgentLink(asyncio.Protocol):
         if starting is not None:
             starting.cancel()
 
-    def _event(self, call_id: int, text: str, ids: list[int], completion: int, prompt: int, finish: Any) -> None:
-        self._send([EVENT, call_id, text, ids, completion, prompt, finish])
+    def _event(
+        self, call_id: int, text: str, ids: list[int], completion: int, prompt: int, finish: Any, cached: int
+    ) -> None:
+        self._send([EVENT, call_id, text, ids, completion, prompt, finish, cached])
 
     def _logprobs(self, call_id: int, chosen: list[float], top: list[tuple[tuple[int, float], ...]]) -> None:
         self._send([LOGPROBS, call_id, chosen, top])

@@ -41,7 +41,7 @@ LENGTH = struct.Struct(">I")
 MAX_MESSAGE_BYTES = 64 * 1024**2  # a turn's events from thousands of streams are a few hundred KB
 # The agent → a reader.
 START, CLOSE = 0, 1
-# A reader → the agent, many in one message: ([EVENT, call, text, ids, completion, prompt, finish], ...).
+# A reader → the agent, many in one message: ([EVENT, call, text, ids, completion, prompt, finish, cached], ...).
 EVENT, LOGPROBS, DONE, ENDED = 0, 1, 2, 3
 RESTART_DELAY_S = 0.5  # a reader that died is started again after this (a crash loop stays slow)
 RESTART_MAX_DELAY_S = 30.0  # and, while it cannot be started, again at most this far apart
@@ -171,7 +171,7 @@ class _ReaderLink(asyncio.Protocol):
         kind = entry[0]
         if kind == EVENT:
             call.last_event_at = call._heard.last_event_at = now
-            call._on_event(entry[2], entry[3], entry[4], entry[5], entry[6])
+            call._on_event(entry[2], entry[3], entry[4], entry[5], entry[6], entry[7])
         elif kind == LOGPROBS and call._on_logprobs is not None:
             call._on_logprobs(entry[2], [tuple(tuple(pair) for pair in at) for at in entry[3]])
         elif kind == DONE:

@@ -44,6 +44,7 @@ class Relayed:
     __slots__ = (
         "_call",
         "accepted_unix_s",
+        "cached_tokens",
         "completion_tokens",
         "error",
         "error_message",
@@ -70,6 +71,7 @@ class Relayed:
         self.ids: list[int] = []
         self.completion_tokens = 0
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of the prompt, found in the worker's prefix cache
         self.finish: dict[str, Any] | None = None
         self.worker = ""
         self.error = wire.StreamError.NONE
@@ -80,11 +82,13 @@ class Relayed:
         self.started = False  # its first delta was sent
         self.size_bytes = DELTA_OVERHEAD_BYTES  # of its next delta, roughly
 
-    def event(self, text: str, ids: list[int], completion: int, prompt: int, finish: dict[str, Any] | None) -> None:
+    def event(
+        self, text: str, ids: list[int], completion: int, prompt: int, finish: dict[str, Any] | None, cached: int = 0
+    ) -> None:
         self.text.append(text)
         self.ids.extend(ids)
         self.size_bytes += len(text) + ID_BYTES * len(ids)
-        self.completion_tokens, self.prompt_tokens = completion, prompt
+        self.completion_tokens, self.prompt_tokens, self.cached_tokens = completion, prompt, cached
         self.finish = finish
         self._call.waiting(self, urgent=self.every_event or finish is not None or not self.started)
 
@@ -113,6 +117,7 @@ class Relayed:
             self.error_message,
             tuple(self.token_logprobs),
             tuple(self.top),
+            self.cached_tokens,
         )
         self.text, self.ids, self.started, self.size_bytes = [], [], True, DELTA_OVERHEAD_BYTES
         if self.token_logprobs:

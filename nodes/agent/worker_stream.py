@@ -34,7 +34,8 @@ MAX_EVENT_BYTES = 8 * 1024**2
 MAX_ERROR_BODY_BYTES = 64 * 1024  # a refusal's body; SGLang's are a few hundred bytes
 
 # text, new output ids, completion tokens so far, prompt tokens, finish reason (None while running)
-OnEvent = Callable[[str, list[int], int, int, dict[str, Any] | None], None]
+# (text, ids, completion tokens, prompt tokens, finish, cached tokens: its prompt's prefix-cache hit)
+OnEvent = Callable[[str, list[int], int, int, dict[str, Any] | None, int], None]
 # Asked for (SGLang's return_logprob): the new tokens' log probabilities, and at each of their
 # positions the most likely (id, log probability) pairs; called just before the event's OnEvent.
 OnLogprobs = Callable[[list[float], list[tuple[tuple[int, float], ...]]], None]
@@ -54,6 +55,7 @@ class _Meta(msgspec.Struct):
     finish_reason: Any  # null while running, else SGLang's {"type": ...} (passed on as it is)
     completion_tokens: Uint32 | None = None  # required, but for an abort (see WorkerCall._event)
     prompt_tokens: Uint32 = 0  # 0 when absent, as the agent has always read it
+    cached_tokens: Uint32 = 0  # of the prompt, found in the worker's prefix cache (SGLang's meta_info)
     output_token_logprobs: list[Logprob] | None = None
     output_top_logprobs: list[list[Logprob] | None] | None = None
 
@@ -243,7 +245,7 @@ class WorkerCall(asyncio.Protocol):
                 self._logprobs(meta)
         self._relayed = completion
         self.last_event_at = self._heard.last_event_at = time.monotonic()
-        self._on_event(text, ids, completion, meta.prompt_tokens, finish)
+        self._on_event(text, ids, completion, meta.prompt_tokens, finish, meta.cached_tokens)
 
     def _logprobs(self, meta: _Meta) -> None:
         """SGLang's [logprob, id, text] triples (cumulative unless the worker streams increments)."""
