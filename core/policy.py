@@ -123,6 +123,11 @@ def static_weights(sites: Sequence[SiteLoad], req: RouteRequest, ctx: RouteConte
     return _pick("static_weights", scored)
 
 
+# The policy that routes by where prompts' prefixes are cached. Under any other (a baseline a
+# benchmark compares with) the gateways send no prefix hashes, so the sites' agents balance by
+# load alone too: the baseline is blind to caches at every level.
+PREFIX_AWARE_POLICY = "least_expected_delay"
+
 POLICIES: dict[str, Policy] = {
     "least_expected_delay": least_expected_delay,
     "round_robin": round_robin,

@@ -53,8 +53,9 @@ async def test_a_resumed_answer_counts_as_its_client_asked(http: aiohttp.ClientS
         prompt = tuple(range(1000, 1050))
         said = tuple(range(2000, 2020))
         fresh = wire.GenerateRequest("fresh", 50, {"max_new_tokens": 30, "ignore_eos": True}, input_ids=prompt)
+        other = tuple(range(3000, 3050))  # shares nothing with the first: no prefix-cache hit
         resumed = wire.GenerateRequest(
-            "resumed", 70, {"max_new_tokens": 10, "ignore_eos": True}, input_ids=prompt + said, resumed_tokens=20
+            "resumed", 70, {"max_new_tokens": 10, "ignore_eos": True}, input_ids=other + said, resumed_tokens=20
         )
         await _answer(upstream, port, fresh)
         assert await _completed(http, metrics_port) == {"prompt": 50, "output": 30}

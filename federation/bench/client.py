@@ -42,6 +42,9 @@ class Result:
     events: int = 0  # stream events that carried text
     hop_ms: float | None = None  # the endpoint's `Server-Timing` hop (ours only)
     route_ms: float | None = None  # and its route
+    prompt_tokens: int = 0  # as the usage says (the sample's, when it says none)
+    cached_tokens: int = 0  # of the prompt, found in prefix caches (the usage's prompt_tokens_details)
+    text: str = ""  # the answer, when kept (a conversation's next turn sends it back)
 
     @property
     def ok(self) -> bool:
@@ -88,11 +91,15 @@ class _Reading:
     """One answer as it arrives (a connections.Reader): its first text, its chunks, and the tokens
     the last chunk said had come."""
 
-    def __init__(self, sample: Sample, started: float, on_first_token: Callable[[], None] | None) -> None:
+    def __init__(
+        self, sample: Sample, started: float, on_first_token: Callable[[], None] | None, keep_text: bool = False
+    ) -> None:
         self.sample, self.started, self._on_first_token = sample, started, on_first_token
+        self.texts: list[str] | None = [] if keep_text else None
+        self.prompt_tokens = sample.prompt_tokens
         self.window: asyncio.Timeout | None = None
         self.first: float | None = None
-        self.tokens, self.events = 0, 0
+        self.tokens, self.events, self.cached = 0, 0, 0
         self.counted_at: float | None = None  # when a chunk last said how many tokens had come
         self.site, self.status = "", 0
         self.hop_ms: float | None = None
@@ -105,7 +112,7 @@ class _Reading:
         end = finished or time.monotonic()
         return Result(
             self.sample.index, self.started, self.first, end, self.tokens, self.site, error, cut, self.events,
-            self.hop_ms, self.route_ms,
+            self.hop_ms, self.route_ms, self.prompt_tokens, self.cached, "".join(self.texts or ()),
         )  # fmt: skip
 
     def head(self, status: int, headers: dict[str, str]) -> None:
@@ -121,6 +128,8 @@ class _Reading:
         if "error" in event:
             raise AnswerFailed(f"stream error: {event['error']}")
         has_text = any(c.get("text") for c in event.get("choices", ()))
+        if has_text and self.texts is not None:
+            self.texts.extend(c.get("text") or "" for c in event["choices"])
         self.events += has_text
         usage = event.get("usage")
         if self.first is None and has_text:
@@ -131,6 +140,10 @@ class _Reading:
                 self.window.reschedule(None)  # its tokens come only at the end: read to it
         if usage:
             self.tokens, self.counted_at = usage["completion_tokens"], time.monotonic()
+            self.prompt_tokens = usage.get("prompt_tokens") or self.prompt_tokens
+            details = usage.get("prompt_tokens_details")  # on the final usage (SGLang: with --enable-cache-report)
+            if details:
+                self.cached = details.get("cached_tokens") or self.cached
 
     def refused(self, body: bytes) -> None:
         self.refusal = f"HTTP {self.status}: {body.decode(errors='replace')[:300]}"
@@ -150,6 +163,7 @@ async def send(
     started: float | None = None,
     stop_at: float | None = None,
     stream_interval: int | None = None,
+    keep_text: bool = False,
 ) -> Result:
     """Never raises for the endpoint's failures: they come back as a Result with `error`.
     `on_first_token` is called the moment the first text arrives (LoadGen's FirstTokenComplete).
@@ -157,7 +171,7 @@ async def send(
     if the client could only send it later. At `stop_at` (time.monotonic()) the answer is `cut`:
     its tokens so far, as of the last chunk that said them; an answer that has begun on an
     endpoint that says its tokens only at the end is read to the end."""
-    reading = _Reading(sample, started or time.monotonic(), on_first_token)
+    reading = _Reading(sample, started or time.monotonic(), on_first_token, keep_text)
     connection: Connection | None = None
     try:
         async with asyncio.timeout_at(stop_at) as window:

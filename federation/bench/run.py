@@ -35,11 +35,17 @@ from core.config import Config, load
 from core.policy import POLICIES
 from core.processes import free_port_block
 from federation import admin
-from federation.bench import datapath, scenarios
+from federation.bench import conversations, datapath, scenarios
 from federation.bench.estimates import NO_TRUTH, EstimateSampler
 from federation.bench.peers import ROUTER_POLICIES, FlatRouter
 from federation.bench.truth import site_truth_tok_s, workload_of
-from federation.bench.workload import MLPERF_LIKE_OUTPUTS, MLPERF_LIKE_PROMPTS, Sample, WorkloadSpec
+from federation.bench.workload import (
+    MLPERF_LIKE_OUTPUTS,
+    MLPERF_LIKE_PROMPTS,
+    Sample,
+    WorkloadSpec,
+    shared_prefix_samples,
+)
 from federation.embedded import Federation
 from scheduler.capacity import prior_capacity_tok_s
 from scheduler.workload import Workload
@@ -76,6 +82,15 @@ def _names(allowed) -> Callable[[str], tuple[str, ...]]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=["offline", "server"], default="offline")
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="mlperf-like",
+        help="mlperf-like: MLPerf's lengths, no prompt shares a prefix (--requests, --prompt-*, --output-*); "
+        "shared-prefix: SGLang's generated-shared-prefix set at its defaults (64 groups x 16 questions after "
+        "a 2,048-token system prompt each, 128-token questions, 256-token answers); multi-turn: conversations "
+        "whose history grows (federation/bench/conversations.py)",
+    )
     p.add_argument("--requests", type=runtime.positive_int, default=DEFAULT_REQUESTS, help="samples per run")
     p.add_argument(
         "--rate", type=runtime.positive_float, default=None, help="Server: arrivals/s (GPU time); omit to search"
@@ -184,6 +199,20 @@ def _on_free_ports(config: Config) -> Config:
     return dataclasses.replace(config, sites=tuple(sites), gateway_port=gateway_port, scheduler_port=scheduler_port)
 
 
+WORKLOADS = ("mlperf-like", "shared-prefix", "multi-turn")
+# A prefix cache hit skips prefill, so what a site truly delivers then depends on how many hit.
+NO_REUSE_TRUTH = "unknown: with prompts that share prefixes a site's truth depends on its cache hits"
+
+
+def _samples(args: argparse.Namespace) -> list[Sample]:
+    """The workload's samples (multi-turn makes its prompts as its conversations go: none)."""
+    if args.workload == "shared-prefix":
+        return shared_prefix_samples(args.seed)
+    if args.workload == "multi-turn":
+        return []
+    return _workload(args).samples()
+
+
 def _workload(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(
         args.requests,
@@ -209,6 +238,8 @@ def _measure(
 ) -> dict:
     """One run of the chosen scenario against `endpoint` (for Server without --rate: the search);
     with `estimates`, each run's `capacity_error` over its measured window."""
+    if args.workload == "multi-turn":
+        return _conversations(endpoint, args, speed, label)
     if args.scenario == "offline":
         return _offline(endpoint, samples, args, speed, label, estimates)
     if args.rate is None:
@@ -234,6 +265,14 @@ def _offline(
     summary = scenarios.summarize(results, scenario="offline", policy=label, speed=speed, window=window)
     summary = {**summary, "sustained": {"warmup_s": sustain.warmup_s, "window_s": sustain.window_s}}
     return _with_error(summary, estimates, window)
+
+
+def _conversations(endpoint: str, args: argparse.Namespace, speed: float, label: str) -> dict[str, Any]:
+    """Every conversation to its end (conversations.py): the run's keys, over all their turns."""
+    runs = conversations.run(endpoint, conversations.Conversations(seed=args.seed), speed, label)
+    results = [r for turns in runs for r in turns]
+    summary = scenarios.summarize(results, scenario="offline", policy=label, speed=speed)
+    return {**summary, "affinity": conversations.affinity(runs), "conversations": len(runs)}
 
 
 def _server(
@@ -357,11 +396,13 @@ def _run_on(start, samples: Sequence[Sample], args: argparse.Namespace, speed: f
         print(f"bench: {label} on {endpoint} (logs: {log_path})", file=sys.stderr, flush=True)
         run_args = argparse.Namespace(**{**vars(args), "max_in_flight": min(args.max_in_flight, max_in_flight)})
         summary = _measure(endpoint, samples, run_args, speed, label, estimates)
+    if args.workload != "mlperf-like" and estimates is not None:
+        summary = {**summary, "capacity_error": None, "capacity_error_note": NO_REUSE_TRUTH}
     return {**summary, "max_in_flight": run_args.max_in_flight}
 
 
 def main(args: argparse.Namespace) -> int:
-    samples = _workload(args).samples()
+    samples = _samples(args)
     if args.datapath:
         return _datapath(args, samples)
     args.warmup_s = args.warmup_s or DEFAULT_WARMUP_S
@@ -376,6 +417,7 @@ def main(args: argparse.Namespace) -> int:
     work = _truth_workload(args)
     report = _run_on(_federation(config, args.insecure, work), samples, args, config.speed, config.policy)
     report["stream_interval"] = config.stream_interval  # decode steps per worker event: 1 is a real site's pace
+    report["workload"] = args.workload
     comparisons = {}
     for policy in args.compare:
         other = dataclasses.replace(config, policy=policy)

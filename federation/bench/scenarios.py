@@ -326,6 +326,8 @@ def summarize(
         "output_tokens_per_s": round(tokens / duration_s, 1) if duration_s > 0 else 0.0,
         "steady_output_tokens_per_s": round(steady_tok_s / speed, 1),
         "steady_window_s": round(steady_window_s * speed, 2),
+        # Of the answered requests' prompt tokens, those found in prefix caches, as their usage says.
+        "cache_hit_rate": round(sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)), 4),
         "ttft_p50_ms": _percentile_ms(ttfts, 0.5, speed),
         "ttft_p99_ms": _percentile_ms(ttfts, 0.99, speed),
         "tpot_p50_ms": _percentile_ms(tpots, 0.5, speed),

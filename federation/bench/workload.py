@@ -10,6 +10,7 @@ by replaying its recorded output lengths.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -48,6 +49,11 @@ class Sample:
     output_tokens: int
 
 
+# SGLang's bench_serving --dataset-name generated-shared-prefix, at its defaults (sglang
+# 0.5.23, benchmark/datasets/generated_shared_prefix.py): 64 groups of 16 questions, each group
+# after its own system prompt; lengths fixed (--gsp-range-ratio 1.0); the prompts shuffled.
+GSP_GROUPS, GSP_PROMPTS_PER_GROUP, GSP_SYSTEM_TOKENS, GSP_QUESTION_TOKENS, GSP_OUTPUT_TOKENS = 64, 16, 2048, 128, 256
+
 MLPERF_LIKE_PROMPTS = LengthDistribution(MEAN_PROMPT_TOKENS, 0.5, 16, 8192)
 MLPERF_LIKE_OUTPUTS = LengthDistribution(MLPERF_MEAN_OUTPUT_TOKENS, 0.8)
 
@@ -70,3 +76,26 @@ class WorkloadSpec:
             text, _ = synth.window(rng.randrange(synth.period), n_prompt)
             out.append(Sample(i, text, n_prompt, self.output.draw(rng)))
         return out
+
+
+def shared_prefix_samples(
+    seed: int = 0,
+    groups: int = GSP_GROUPS,
+    per_group: int = GSP_PROMPTS_PER_GROUP,
+    system_tokens: int = GSP_SYSTEM_TOKENS,
+    question_tokens: int = GSP_QUESTION_TOKENS,
+    output_tokens: int = GSP_OUTPUT_TOKENS,
+) -> list[Sample]:
+    """The shape of SGLang's generated-shared-prefix set: `groups` system prompts, each followed
+    by `per_group` questions of their own, shuffled from `seed`. Windows of the synthetic text,
+    so every count is exact and nothing is shared but each group's system prompt."""
+    rng = random.Random(seed)
+    synth = tokens.synthetic_text()
+    out = []
+    for _ in range(groups):
+        system, _ = synth.window(rng.randrange(synth.period), system_tokens)
+        for _ in range(per_group):
+            question, _ = synth.window(rng.randrange(synth.period), question_tokens)
+            out.append(Sample(0, system + question, system_tokens + question_tokens, output_tokens))
+    rng.shuffle(out)
+    return [dataclasses.replace(s, index=i) for i, s in enumerate(out)]

@@ -11,6 +11,7 @@ it went.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -26,6 +27,7 @@ from aiohttp import web
 from core import wire
 from core.errors import BadRequest, FederationError, RateLimited, RequestTimeout, TooBusy, Unauthorized
 from core.mtls import INSECURE, Tls
+from core.policy import PREFIX_AWARE_POLICY
 from core.settings import GatewayTimings
 from federation.gateway import admission, jobs, metrics, spans
 from federation.gateway.admission import Admission
@@ -49,7 +51,7 @@ class GatewayConfig:
     ttft_budget_ms: float = 0.0  # latency mode when > 0 (a request's X-TTFT-Budget-Ms overrides it)
     max_held: int = 10_000  # requests held for a site that can meet their budget, at most
     failover: FailoverConfig = field(default_factory=FailoverConfig)
-    policy: str = "least_expected_delay"  # what degraded mode decides with
+    policy: str = PREFIX_AWARE_POLICY  # what degraded mode decides with; a baseline's sends no prefix hashes
     rtt_s: dict[tuple[str, str], float] = field(default_factory=dict)  # and the round trips it weighs
     timings: GatewayTimings = GatewayTimings()
     tls: Tls = INSECURE  # to the schedulers and the agents
@@ -146,6 +148,8 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         await _body(request), request_id=request_id, served_model=config.model, context_tokens=config.context_tokens
     )
     request_id = job.request.request_id  # /generate's `rid`, when given
+    if config.policy != PREFIX_AWARE_POLICY:  # a baseline routes blind to caches, at the sites too
+        job = dataclasses.replace(job, request=dataclasses.replace(job.request, prefix_hashes=()))
     holder: tuple[str, KeyLimits] | None = request.get(HOLDER_KEY)
     key_name = holder[0] if holder else None
     if holder is not None:

@@ -86,7 +86,8 @@ class AgentMetrics:
         completed = Counter(
             "federation_agent_completed_tokens",
             "Prompt and output tokens of the requests completed, as their clients asked for them (a resumed "
-            "answer's prompt less what it had said, its output with it): the site's workload shape.",
+            "answer's prompt less what it had said, its output with it; cached prompt tokens not at all): the "
+            "site's workload shape.",
             ["site", "kind"],
             registry=self.registry,
         )

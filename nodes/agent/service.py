@@ -210,9 +210,11 @@ class SiteAgentService(wire.SiteAgentServicer):
     def _count_completed(self, req: wire.GenerateRequest, record: Relayed) -> None:
         """An answer ended as the client asked (stop, length): its work, as the client asked for it,
         counts toward the site's workload shape (a resumed answer's said tokens are its output, not
-        its prompt)."""
+        its prompt; a prompt's cached tokens are no prefill)."""
         if (record.finish or {}).get("type") in ("stop", "length"):
-            prompt = max(0, record.prompt_tokens - req.resumed_tokens)
+            # What the GPU prefilled for it, as asked: less what a resume had said, and what the
+            # worker found in its prefix cache.
+            prompt = max(0, record.prompt_tokens - req.resumed_tokens - record.cached_tokens)
             output = record.completion_tokens + req.resumed_tokens
             self.completed_prompt_tokens += prompt
             self.completed_output_tokens += output
