@@ -40,6 +40,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 TOKEN_BYTES = 4  # a token id as a little-endian uint32 inside a key
+# A heap holds one entry per node at most, plus those of nodes deleted since (dropped when popped,
+# or all at once when they would be more than the nodes and this many).
+HEAP_SLACK = 1024
 
 
 def pack_ids(ids: Iterable[int]) -> bytes:
@@ -68,6 +71,7 @@ class Node:
         "key",
         "lock",
         "mark",
+        "n",
         "parent",
         "swa",
         "swa_lock",
@@ -75,6 +79,7 @@ class Node:
 
     def __init__(self, key: bytes, parent: Node | None, ckey: bytes, swa: bool, atime: float) -> None:
         self.key = key
+        self.n = len(key) >> 2  # its tokens
         self.parent = parent
         self.children: dict[bytes, Node] = {}
         self.ckey = ckey  # the key its parent files it under
@@ -86,10 +91,6 @@ class Node:
         self.in_heap = False
         self.in_swa_heap = False
         self.dead = False
-
-    @property
-    def tokens(self) -> int:
-        return len(self.key) >> 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,7 @@ class RadixTree:
         self.full_protected = self.full_evictable = 0
         self.swa_protected = self.swa_evictable = 0
         self.evicted_tokens_total = 0
+        self.nodes = 0  # in the tree, root aside: what bounds the eviction heaps
         self._time = 0.0
         self._heap: list[tuple[float, int, Node]] = []
         self._swa_heap: list[tuple[float, int, Node]] = []
@@ -172,7 +174,7 @@ class RadixTree:
         while child is not None:
             common = self._common(key, pos, n, child)
             full += common
-            whole = common == child.tokens
+            whole = common == child.n
             if not whole:
                 child = self._split(child, common)
             if window is not None:
@@ -211,9 +213,11 @@ class RadixTree:
         parent = child.parent
         assert parent is not None
         upper = Node(child.key[:cut], parent, child.ckey, child.swa, child.atime)
+        self.nodes += 1
         upper.lock, upper.swa_lock = child.lock, child.swa_lock
         upper.mark, child.mark = child.mark, 0
         child.key = child.key[cut:]
+        child.n -= tokens
         child.ckey = child.key[: self.page * TOKEN_BYTES]
         child.parent = upper
         upper.children[child.ckey] = child
@@ -248,7 +252,7 @@ class RadixTree:
         while child is not None:
             self._touch(child)
             common = self._common(key, pos, n, child)
-            if common < child.tokens:
+            if common < child.n:
                 child = self._split(child, common)
             end = pos + common
             live_from = max(pos, swa_from, protected)
@@ -266,6 +270,7 @@ class RadixTree:
         ckey = (namespace if node is self.root else b"") + leaf_key[: self.page * TOKEN_BYTES]
         self._time += 1.0
         leaf = Node(leaf_key, node, ckey, False, self._time)
+        self.nodes += 1
         node.children[ckey] = leaf
         self.full_evictable += n - pos
         if window is not None:
@@ -273,8 +278,8 @@ class RadixTree:
             if live_from < n:
                 live = leaf if live_from == pos else self._split_below(leaf, live_from - pos)
                 tail = self.window_pages
-                if live.tokens > tail:  # a lock pins one window, not the whole leaf
-                    self._set_swa(self._split_upper(live, live.tokens - tail), True)
+                if live.n > tail:  # a lock pins one window, not the whole leaf
+                    self._set_swa(self._split(live, live.n - tail), True)
                 self._set_swa(live, True)
         self._offer(leaf)
         return Inserted(leaf, n - pos)
@@ -284,14 +289,11 @@ class RadixTree:
         self._split(node, tokens)
         return node
 
-    def _split_upper(self, node: Node, tokens: int) -> Node:
-        return self._split(node, tokens)
-
     def _set_swa(self, node: Node, live: bool) -> None:
         if node.swa == live:
             return
         node.swa = live
-        delta = node.tokens if live else -node.tokens
+        delta = node.n if live else -node.n
         if node.swa_lock:
             self.swa_protected += delta
         else:
@@ -309,8 +311,8 @@ class RadixTree:
         while cur is not self.root:
             assert cur is not None
             if cur.lock == 0:
-                self.full_evictable -= cur.tokens
-                self.full_protected += cur.tokens
+                self.full_evictable -= cur.n
+                self.full_protected += cur.n
             cur.lock += 1
             cur = cur.parent
         if self.window is None:
@@ -319,10 +321,10 @@ class RadixTree:
         while cur is not self.root and covered < self.window:
             assert cur is not None
             if cur.swa_lock == 0 and cur.swa:
-                self.swa_evictable -= cur.tokens
-                self.swa_protected += cur.tokens
+                self.swa_evictable -= cur.n
+                self.swa_protected += cur.n
             cur.swa_lock += 1
-            covered += cur.tokens
+            covered += cur.n
             if covered >= self.window:
                 if not cur.mark:
                     cur.mark = next(self._marks)
@@ -339,8 +341,8 @@ class RadixTree:
             assert cur is not None and cur.lock > 0
             cur.lock -= 1
             if cur.lock == 0:
-                self.full_protected -= cur.tokens
-                self.full_evictable += cur.tokens
+                self.full_protected -= cur.n
+                self.full_evictable += cur.n
                 self._offer(cur)
             cur = cur.parent
         if self.window is None:
@@ -351,8 +353,8 @@ class RadixTree:
             cur.swa_lock -= 1
             if cur.swa_lock == 0:
                 if cur.swa:
-                    self.swa_protected -= cur.tokens
-                    self.swa_evictable += cur.tokens
+                    self.swa_protected -= cur.n
+                    self.swa_evictable += cur.n
                     self._offer_swa(cur)
                 self._offer(cur)
             if lock.swa_mark and cur.mark == lock.swa_mark:
@@ -366,11 +368,16 @@ class RadixTree:
         if not node.in_heap and not node.children and not node.lock and not node.swa_lock:
             node.in_heap = True
             heapq.heappush(self._heap, (node.atime, next(self._tiebreak), node))
+            if len(self._heap) > 2 * self.nodes + HEAP_SLACK:
+                self._heap = _without_dead(self._heap)
 
     def _offer_swa(self, node: Node) -> None:
+        """A node with live SWA nobody locks joins the SWA heap (once)."""
         if not node.in_swa_heap and node.swa and not node.swa_lock:
             node.in_swa_heap = True
             heapq.heappush(self._swa_heap, (node.atime, next(self._tiebreak), node))
+            if len(self._swa_heap) > 2 * self.nodes + HEAP_SLACK:
+                self._swa_heap = _without_dead(self._swa_heap)
 
     def evict(self, tokens: int) -> int:
         """Free at least `tokens` FULL tokens, least recently used whole leaves first, as far as
@@ -401,7 +408,7 @@ class RadixTree:
             if atime != node.atime:
                 self._offer_swa(node)
                 continue
-            freed += node.tokens
+            freed += node.n
             if not node.children and not node.lock:
                 self._delete(node)
             else:
@@ -413,10 +420,19 @@ class RadixTree:
         assert parent is not None
         del parent.children[node.ckey]
         node.dead = True
-        self.full_evictable -= node.tokens
+        self.nodes -= 1
+        self.full_evictable -= node.n
         if node.swa:
-            self.swa_evictable -= node.tokens
-        self.evicted_tokens_total += node.tokens
+            self.swa_evictable -= node.n
+        self.evicted_tokens_total += node.n
         if parent is not self.root:
             self._offer(parent)
-        return node.tokens
+        return node.n
+
+
+def _without_dead(heap: list[tuple[float, int, Node]]) -> list[tuple[float, int, Node]]:
+    """A heap without the entries of deleted nodes (the SWA heap is popped only under SWA
+    pressure, so without this it would keep every node ever deleted)."""
+    kept = [entry for entry in heap if not entry[2].dead]
+    heapq.heapify(kept)
+    return kept
