@@ -20,24 +20,29 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from core.gpus import PROFILES
-from nodes.emulator.engine import StepShape, Stretch
 from nodes.emulator.launch import EmulatorProcess, launch
 from nodes.emulator.reporter import Reporter, ReportState
+from nodes.emulator.stretch import KvShape, StepShape, Stretch
 from tests.conftest import RETRACTING_WORKER, retracting_requests
 
 LOG_INTERVAL = 40  # SGLang's --decode-log-interval default: decode passes between log points
+POOL = 10**9  # a KV pool no test fills
 
 
 def _decode(t0: float, passes: int, batch: int, context: int, queued: int = 0) -> Stretch:
-    return Stretch(t0, 0.01, 0.0001, passes, StepShape(batch=batch, context_tokens=context, queued=queued))
+    shape = StepShape(batch=batch, context_tokens=context, queued=queued, kv=KvShape(full_used=context))
+    return Stretch(t0, 0.01, 0.0001, passes, shape)
 
 
-def _prefill(t0: float, chunk: int, batch: int = 0, context: int = 0, **shape: int) -> Stretch:
-    return Stretch(t0, 0.05, 0.0, 1, StepShape(batch=batch, context_tokens=context, prefill_tokens=chunk, **shape))
+def _prefill(t0: float, chunk: int, batch: int = 0, context: int = 0, held: int = 0, **shape: int) -> Stretch:
+    """A prefill pass; `held`: KV held besides the running sequences' (prompts partly prefilled)."""
+    kv = KvShape(full_used=context + held)
+    step = StepShape(batch=batch, context_tokens=context, prefill_tokens=chunk, kv=kv, **shape)
+    return Stretch(t0, 0.05, 0.0, 1, step)
 
 
 def _replay(stretches: list[Stretch], max_running: int = 1024) -> ReportState:
-    reporter = Reporter(0.0, max_running)
+    reporter = Reporter(0.0, max_running, POOL, 0)
     for stretch in stretches:
         reporter.on_stretch(stretch)
     return reporter.state
@@ -76,7 +81,7 @@ def test_decode_log_points_and_throughput_match_pass_by_pass() -> None:
     assert state.decode_logged_at == logged_at and state.generated_since_log == generated
     assert state.last_gen_throughput == pytest.approx(gen, rel=1e-12)
     assert state.decode_sum_seq_lens == gauges[2], "kept by the mixed pass that logged last"
-    assert (state.running, state.used_tokens) == (5, stretches[-1].shape.context_tokens + 123)
+    assert (state.running, state.pools.full_used) == (5, stretches[-1].shape.context_tokens + 123)
     assert (state.prefill_passes, state.prefill_compute_tokens) == (7, 7 * 123)
 
 
@@ -85,11 +90,11 @@ def test_a_prefill_pass_logs_the_batch_it_was_scheduled_with() -> None:
     queue, the KV after the pass (their ΣL, the partly prefilled prompts and the chunk), and the
     last retraction; a retracted request's tokens are computed but not effective input."""
     decode = _decode(0.0, 10, 4, 1000)
-    mixed = _prefill(decode.end(), 500, batch=4, context=1040, prefill_kv_tokens=300, queued=2, reprocessed_tokens=120)
+    mixed = _prefill(decode.end(), 500, batch=4, context=1040, held=300, queued=2, reprocessed_tokens=120)
     state = _replay([decode, mixed])
-    assert (state.running, state.queued, state.used_tokens, state.retracted) == (4, 2, 1040 + 300 + 500, 0)
+    assert (state.running, state.queued, state.pools.full_used, state.retracted) == (4, 2, 1040 + 300 + 500, 0)
     state = _replay([decode, mixed, _prefill(mixed.end(), 64, batch=5, context=1500, retracted=2)])
-    assert (state.running, state.queued, state.used_tokens, state.retracted) == (5, 0, 1564, 2)
+    assert (state.running, state.queued, state.pools.full_used, state.retracted) == (5, 0, 1564, 2)
     assert (state.prefill_compute_tokens, state.effective_input_tokens) == (564, 444)
     assert state.decode_sum_seq_lens == 0  # no decode log point yet: a prefill's report leaves it
 
@@ -106,24 +111,24 @@ def test_going_idle_zeroes_the_load_gauges_once_they_show_a_batch() -> None:
     """Idle, the scheduler republishes its load at once if the running gauge still shows
     requests (zero running, queue, KV and gen_throughput, the batch's ΣL kept); if it showed
     none, only 30 s after its last log point."""
-    reporter = Reporter(0.0, 1024)
+    reporter = Reporter(0.0, 1024, POOL, 0)
     reporter.on_stretch(_decode(0.0, 40, 2, 500))
     busy = reporter.view(0.5, None)
-    assert (busy.running, busy.used_tokens, busy.gen_throughput) == (0, 0, 0.0)
+    assert (busy.running, busy.pools.full_used, busy.gen_throughput) == (0, 0, 0.0)
     assert busy.decode_sum_seq_lens == 500 + 2 * 39 and busy.last_gen_throughput > 0
 
-    reporter = Reporter(0.0, 1024)
+    reporter = Reporter(0.0, 1024, POOL, 0)
     reporter.on_stretch(_prefill(0.0, 64))  # logs running 0, KV 64
     end = 0.05
-    assert reporter.view(end + 29.0, None).used_tokens == 64
-    assert reporter.view(end + 31.0, None).used_tokens == 0
+    assert reporter.view(end + 29.0, None).pools.full_used == 64
+    assert reporter.view(end + 31.0, None).pools.full_used == 0
 
 
 def test_idle_seconds_are_published_a_second_apart_at_events() -> None:
     """Idle time is published at the scheduler's events, at least a second after the previous
     publication: while idle (it spins) exactly on the second; while busy at the first pass
     launched after it; a scrape is no event."""
-    reporter = Reporter(10.0, 1024)
+    reporter = Reporter(10.0, 1024, POOL, 0)
     assert reporter.view(10.9, None).idle_published_s == 0.0
     assert reporter.view(12.5, None).idle_published_s == pytest.approx(2.0)
     busy = Stretch(12.75, 0.3, 0.0, 10, StepShape(batch=1, context_tokens=10))  # passes end 13.05, 13.35, ...

@@ -10,7 +10,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from core.gpus import PROFILES, GpuProfile
-from nodes.emulator.engine import Engine, Sequence, StepShape, Stretch
+from nodes.emulator.engine import Engine
+from nodes.emulator.sequence import Sequence
+from nodes.emulator.stretch import KvShape, StepShape, Stretch
 from nodes.emulator.wakeups import StepWakeups
 
 
@@ -100,6 +102,9 @@ class _Kept:
 
     def on_stretch(self, stretch: Stretch) -> None:
         self.stretches.append(stretch)
+
+    def on_idle(self, kv: KvShape, at: float) -> None:
+        pass
 
 
 async def test_listener_gets_every_step_with_its_shape(run_engine) -> None:

@@ -7,7 +7,8 @@ cleanly on SIGTERM or SIGINT.
 It also takes `sglang.launch_server`'s command line, as a site agent's `--launch emulator`
 starts it (one worker per process, core/recipes.py): the flags that change what a worker does
 (`--model-path`, `--served-model-name`, `--tokenizer-path`, `--tp-size`, `--quantization`,
-`--port`, `--stream-interval`, ...) mean what they mean to SGLang; the others (kernels, memory
+`--port`, `--stream-interval`, `--disable-radix-cache`, `--page-size`, `--schedule-policy`,
+`--enable-cache-report`, ...) mean what they mean to SGLang; the others (kernels, memory
 fractions, parsers) are accepted and named in one log line. What SGLang learns from the machine
 comes from the environment: the GPU to emulate (FEDERATION_EMULATOR_GPU), the GPUs given to the
 worker (HIP_VISIBLE_DEVICES: fewer than `--tp-size` fails, as on a real host), how long the model
@@ -28,6 +29,7 @@ import structlog
 
 from core import harmony, runtime, tokens
 from core.gpus import PROFILES
+from nodes.emulator.prefix_cache import SCHEDULE_POLICIES, SWA_FULL_TOKENS_RATIO, CacheConfig
 from nodes.emulator.server import WorkerServer
 from nodes.emulator.worker import Faults, WorkerConfig
 
@@ -90,6 +92,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="GPUs one worker spans; >1 scales the GPU's model ideally (not calibrated: see core/gpus.py)",
     )
     p.add_argument("--quantization", default=None, help="reported in /server_info, as SGLang does")
+    cache = p.add_argument_group("prefix cache (SGLang's RadixAttention, emulated per worker)")
+    cache.add_argument("--disable-radix-cache", action="store_true", help="no prefix caching, as SGLang's flag")
+    cache.add_argument(
+        "--page-size",
+        type=runtime.positive_int,
+        default=None,
+        help="tokens per KV page: hits and inserts are whole pages (default: 1, SGLang's on AMD GPUs)",
+    )
+    cache.add_argument(
+        "--schedule-policy",
+        default="fcfs",
+        help=f"admission order: {', '.join(SCHEDULE_POLICIES)} (default: fcfs, as SGLang's)",
+    )
+    cache.add_argument(
+        "--radix-eviction-policy", default="lru", help="which cached prefix goes first: lru only (SGLang's default)"
+    )
+    cache.add_argument(
+        "--swa-full-tokens-ratio",
+        type=runtime.positive_float,
+        default=SWA_FULL_TOKENS_RATIO,
+        help="the sliding-window KV pool's size over the full one's (default: 0.8, as SGLang's)",
+    )
+    cache.add_argument(
+        "--enable-cache-report",
+        action="store_true",
+        help="OpenAI usage carries prompt_tokens_details.cached_tokens, as SGLang's flag",
+    )
     p.add_argument("--enable-metrics", action="store_true", help="accepted: this emulator always serves /metrics")
     p.add_argument(
         "--load-s",
@@ -117,6 +146,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args, args.ignored = p.parse_known_args(argv)
     if args.profile is None:
         p.error(f"say the GPU to emulate: --profile, or ${GPU_ENV}")
+    if args.schedule_policy not in SCHEDULE_POLICIES:
+        p.error(
+            f"--schedule-policy {args.schedule_policy}: SGLang accepts it, the emulator does not model it; "
+            f"use one of {', '.join(SCHEDULE_POLICIES)}"
+        )
+    if args.radix_eviction_policy != "lru":
+        p.error(f"--radix-eviction-policy {args.radix_eviction_policy}: only lru (SGLang's default) is emulated")
     if not 0 < args.port <= 65535 - args.workers + 1:
         p.error(f"--port {args.port} with --workers {args.workers} runs past port 65535")
     visible = os.environ.get("HIP_VISIBLE_DEVICES")
@@ -142,6 +178,13 @@ def worker_configs(args: argparse.Namespace) -> list[WorkerConfig]:
             incremental_streaming_output=args.incremental_streaming_output,
             tp_size=args.tp_size,
             quantization=args.quantization,
+            cache=CacheConfig(
+                disable_radix_cache=args.disable_radix_cache,
+                page_size=args.page_size or 1,
+                schedule_policy=args.schedule_policy,
+                swa_full_tokens_ratio=args.swa_full_tokens_ratio,
+            ),
+            enable_cache_report=args.enable_cache_report,
         )
         for i in range(args.workers)
     ]

@@ -9,12 +9,18 @@ and the number of steps completed by any instant has a closed form. The engine
 therefore wakes only at events, and anyone asking "how many tokens does this
 sequence have now?" gets an exact answer in O(1).
 
-What SGLang does that this keeps: FCFS waiting queue; admission limited by
-`max_running_requests` and by the KV pool with a reserve for future output tokens
-(`new_token_ratio`, decaying from 0.7 to 0.1 and reset by a retraction); chunked
-prefill mixed into the decode step (`a + b·B + κ·ΣL/1000 + ρ·n_prefill`); the
-prefill step emitting the first token; retraction of the sequence with the least
-output when the pool runs out, which then re-prefills its prompt and output.
+What SGLang does that this keeps: the waiting queue in its schedule policy's order (fcfs by
+default; lof; lpm), each request matched against the prefix cache (nodes/emulator/prefix_cache.py)
+when admission reaches it, so its hit costs no prefill compute and no chunk budget; admission under
+`max_running_requests`, the chunk budget and the KV pools as SGLang's prefill adder charges them
+(cached tokens free, evictable KV available, a reserve for the running requests' future output
+scaled by `new_token_ratio`, which decays from 0.7 to 0.1); chunked prefill mixed into the decode
+step (`a + b·B + κ·ΣL/1000 + ρ·n_prefill`); the prefill step emitting the first token; what a
+step computes entering the cache after it (a prompt's end, and a finished request, only once the
+next step has been scheduled: SGLang's overlap scheduler processes a result then); cached KV
+evicted only when an allocation needs it; retraction, when the pools run out, of the sequence with
+the least output, which goes to the back of the queue and later prefills its prompt and output
+again (less what the cache still holds).
 
 Streaming clients wait for steps, not for time: `call_at_tokens` turns "my next output
 point" into the global step that produces it, and the engine keeps those callbacks by step
@@ -22,73 +28,31 @@ with a single timer at the completion of the earliest step that ends inside the 
 stretch (the stretch's own end releases the rest). A full batch streaming per token thus
 costs one timer per step, not one per stream per step.
 
-Each stretch carries its `StepShape` (batch, context, prompt chunk, queue), and the listener
-gets every stretch as it ends: that is all SGLang's own accounting of its work needs
+Each stretch carries its `StepShape` (batch, context, prompt chunk, hits, queue, pools), and the
+listener gets every stretch as it ends: that is all SGLang's own accounting of its work needs
 (`nodes/emulator/reporter.py`), at O(1) per stretch rather than per step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import heapq
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from core.gpus import GpuProfile
+from nodes.emulator.kv_pools import CappedSum, KvPools, PoolUsage
+from nodes.emulator.prefix_cache import CacheConfig, PrefixCache
+from nodes.emulator.schedule_policy import CLIP_MAX_NEW_TOKENS, add_prefill, order_waiting, refresh_block
+from nodes.emulator.sequence import HELD, PREFILLING, RUNNING, EngineListener, SeqState, Sequence
+from nodes.emulator.stretch import StepShape, Stretch
 from nodes.emulator.wakeups import StepWakeups
 
 INIT_NEW_TOKEN_RATIO = 0.7  # SGLang's init_new_token_ratio (schedule_conservativeness 1.0)
 MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14  # SGLang's min_new_token_ratio
 NEW_TOKEN_RATIO_DECAY_STEPS = 600  # SGLang decays from init to min over this many steps
-CLIP_MAX_NEW_TOKENS = 4096  # SGLang clips max_new_tokens to this when estimating KV need
-
-
-class SeqState(enum.Enum):
-    WAITING = "waiting"
-    PREFILL = "prefill"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False, slots=True)
-class Sequence:
-    """A request inside the engine. `target_tokens` is decided up front by the caller
-    (length limit, stop string or EOS position), as a real model's output would be."""
-
-    rid: str
-    prompt_tokens: int
-    target_tokens: int
-    max_new_tokens: int
-    arrived_at: float  # when the request reached the server (TTFT counts from here)
-    queued_at: float = 0.0  # when it entered this engine's waiting queue
-    streaming: bool = False  # only for metrics labels (SGLang's is_streaming)
-    state: SeqState = SeqState.WAITING
-    generated: int = 0  # tokens emitted before `join_step` (banked)
-    join_step: int = 0
-    prefill_left: int = 0
-    prefill_total: int = 0
-    reserve_tokens: int = 0
-    admitted_at: float | None = None
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    abort_message: str | None = None
-    aborted_tokens: int = 0  # what the client had when the abort came
-    aborted_waiting: bool = False  # in the waiting queue then: never admitted, or retracted back to it
-    finish_step: int = 0
-    retractions: int = 0
-    first_token: asyncio.Future[None] = field(default_factory=lambda: _new_future())
-    done: asyncio.Future[None] = field(default_factory=lambda: _new_future())
-    wake: Callable[[], None] | None = None  # a streaming client's call for `wake_tokens`
-    wake_tokens: int = 0
-    wake_step: float = math.inf  # the step it is filed under (inf: not filed, not running)
-
-
-def _new_future() -> asyncio.Future[None]:
-    return asyncio.get_running_loop().create_future()
+RETRACT_DECODE_STEPS = 20  # SGLANG_RETRACT_DECODE_STEPS: decode room a retraction makes per request kept
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -101,63 +65,6 @@ def _settle(fut: asyncio.Future[bool], value: bool) -> None:
         fut.set_result(value)
 
 
-class EngineListener(Protocol):
-    """Receives request milestones (the metrics collector implements it)."""
-
-    def on_first_token(self, seq: Sequence) -> None: ...
-
-    def on_finish(self, seq: Sequence) -> None: ...
-
-    def on_stretch(self, stretch: Stretch) -> None:
-        """A stretch has run all its `k_max` steps (called before their effects are applied)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepShape:
-    """What every step of a stretch does, in the terms SGLang's scheduler reports it in."""
-
-    batch: int  # sequences decoding in the step: SGLang's running batch when it scheduled the step
-    context_tokens: int  # their ΣL in the stretch's first step; each step adds `batch`
-    prefill_tokens: int = 0  # the prompt chunk the step also prefills (0: a decode-only step)
-    reprocessed_tokens: int = 0  # of that chunk, tokens of retracted requests prefilled again
-    prefill_kv_tokens: int = 0  # KV held before the step by prompts partly prefilled
-    queued: int = 0  # requests in SGLang's waiting queue meanwhile: not admitted, or no chunk yet
-    retracted: int = 0  # running requests sent back to the queue to make room for the stretch
-
-
-@dataclass(slots=True)
-class Stretch:
-    """Steps with an unchanging batch: step k (0-based) lasts `s0 + d·k`."""
-
-    t0: float
-    s0: float
-    d: float
-    k_max: int
-    shape: StepShape
-
-    def duration(self, k: int) -> float:
-        return k * self.s0 + self.d * k * (k - 1) / 2.0
-
-    def end(self) -> float:
-        return self.t0 + self.duration(self.k_max)
-
-    def completed(self, t: float) -> int:
-        """Steps finished by time `t` (never more than planned)."""
-        elapsed = t - self.t0
-        if elapsed <= 0.0:
-            return 0
-        if self.d <= 0.0:
-            k = int(elapsed / self.s0)
-        else:
-            half = self.s0 - self.d / 2.0
-            k = int((-half + math.sqrt(half * half + 2.0 * self.d * elapsed)) / self.d)
-        while k > 0 and self.duration(k) > elapsed:
-            k -= 1
-        while k < self.k_max and self.duration(k + 1) <= elapsed:
-            k += 1
-        return min(k, self.k_max)
-
-
 class Engine:
     """The batch scheduler and clock of one emulated GPU."""
 
@@ -168,6 +75,7 @@ class Engine:
         speed: float = 1.0,
         max_running_requests: int | None = None,
         kv_capacity_tokens: int | None = None,
+        cache: CacheConfig | None = None,
         listener: EngineListener | None = None,
     ) -> None:
         if speed <= 0:
@@ -177,10 +85,12 @@ class Engine:
         self.slowdown = 1.0  # brownout factor, set by faults
         self.max_running_requests = max_running_requests or profile.max_running_requests
         self.kv_capacity_tokens = kv_capacity_tokens or profile.kv_capacity_tokens
+        self.cache = PrefixCache(cache or CacheConfig())
+        self.pools = KvPools(self.kv_capacity_tokens, self.cache)
         self._listener = listener
         self._loop = asyncio.get_running_loop()
         self.waiting: deque[Sequence] = deque()
-        self.prefilling: deque[Sequence] = deque()
+        self.prefilling: deque[Sequence] = deque()  # those the next step prefills; the first may be the chunked one
         self.running: set[Sequence] = set()
         self._finish_heap: list[tuple[int, int, Sequence]] = []
         self._heap_tiebreak = 0
@@ -188,10 +98,16 @@ class Engine:
         self.boundary_t = self.started_at = self._loop.time()
         self._join_sum = 0  # Σ join_step over running
         self._len_base_sum = 0  # Σ (prompt + generated) at join, over running
-        self._prefill_kv = 0  # KV held by prompts being prefilled
-        self._reserved = 0  # KV reserved for future output of admitted sequences
+        self._generated_base = 0  # Σ (generated - join_step) over running
+        self._max_new_sum = 0  # Σ max_new_tokens over running
+        # Σ min(max_new - output, 4096) over running: what admission reserves for their output.
+        self._reserve = CappedSum(-1, CLIP_MAX_NEW_TOKENS)
         self._emitted = 0  # tokens banked by sequences no longer counted in running
         self._new_token_ratio = INIT_NEW_TOKEN_RATIO
+        # Checkpoints and releases of the step just run, applied after the next one is scheduled.
+        self._deferred: list[tuple[Sequence, int, bool]] = []
+        self._policy_rounds = 0  # scheduling rounds with a queue (the waiting-prefix refresh's clock)
+        self._refresh_block = -1  # the block of rounds the last refresh fell in
         self._segment: Stretch | None = None
         self._event_t = math.inf
         self._waker: asyncio.Future[bool] | None = None
@@ -300,11 +216,32 @@ class Engine:
         return len(self.waiting) + len(self.prefilling)
 
     def kv_used_tokens(self) -> int:
-        return self._running_context(self.steps_at(self._loop.time())) + self._prefill_kv
+        """KV in use in the FULL pool (what requests hold alone and the prefixes they lock)."""
+        steps = self.steps_at(self._loop.time())
+        return self.pools.full_used(self._running_context(steps))
+
+    def pool_usage(self) -> PoolUsage:
+        """Both KV pools now: in use, evictable, capacity."""
+        steps = self.steps_at(self._loop.time())
+        return self.pools.usage(self._running_context(steps), steps)
 
     def _running_context(self, steps: int) -> int:
         """ΣL over running sequences after `steps` global steps (each adds one token to each)."""
         return self._len_base_sum + len(self.running) * steps - self._join_sum
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running, prefilling, queued or waiting to be released (SGLang's is_fully_idle)."""
+        return not (self.running or self.prefilling or self.waiting or self._deferred)
+
+    def flush_cache(self) -> bool:
+        """SGLang's /flush_cache: empty the prefix cache, only when idle."""
+        if not self.idle:
+            return False
+        self.cache.tree.reset()
+        if self._listener is not None:
+            self._listener.on_idle(self.pools.shape(0, self.steps), self._loop.time())
+        return True
 
     # ---- the clock --------------------------------------------------------------
 
@@ -416,29 +353,50 @@ class Engine:
     # ---- planning a stretch of steps -------------------------------------------
 
     def _plan(self) -> Stretch | None:
-        retracted = 0
-        while True:
-            self._drop_aborted()
-            self._admit()
-            batch = len(self.running)
-            if batch == 0 and not self.prefilling:
-                return None
-            prefill, touched, reprocessed = self._next_prefill_chunk()
-            context = self._running_context(self.steps)
-            free = self.kv_capacity_tokens - (context + self._prefill_kv)
-            if batch and free < batch + prefill:
-                self._retract_one()
-                retracted += 1
-                continue
-            break
+        """One scheduling round: admissions (SGLang's get_new_batch_prefill), then the previous
+        step's results (checkpoints, releases), then the decode check (retraction)."""
+        self._drop_aborted()
+        if self.waiting and (self.prefilling or len(self.running) < self.max_running_requests):
+            self._policy_rounds += 1
+            block = refresh_block(self._policy_rounds)
+            order_waiting(self.cache, self.waiting, block != self._refresh_block)
+            self._refresh_block = block
+        # What the running requests' output may still take, and the mixed-in decode's slots.
+        reserved = self._new_token_ratio * self._reserve.value(self.steps) + len(self.running)
+        added = add_prefill(
+            self.cache,
+            self.pools,
+            self.waiting,
+            self.prefilling,
+            running=len(self.running),
+            max_running=self.max_running_requests,
+            budget=self.profile.chunked_prefill_tokens,
+            step=self.steps,
+            context=self._running_context(self.steps),
+            reserved=reserved,
+            now=self.boundary_t,
+        )
+        self._event_t = min(self._event_t, added.next_arrival)
+        prefill = added.tokens
+        self._apply_deferred()
+        retracted = self._retract_for(prefill)
+        batch = len(self.running)
+        if batch == 0 and not self.prefilling:
+            if self._listener is not None:
+                self._listener.on_idle(self.pools.shape(0, self.steps), self.boundary_t)
+            return None
+        context = self._running_context(self.steps)
+        kv = self.pools.shape(context, self.steps)
         shape = StepShape(
             batch=batch,
             context_tokens=context,
             prefill_tokens=prefill,
-            reprocessed_tokens=reprocessed,
-            prefill_kv_tokens=self._prefill_kv,
-            queued=len(self.waiting) + len(self.prefilling) - touched,
+            reprocessed_tokens=added.reprocessed,
+            cached_tokens=added.hits,
+            reprocessed_cached_tokens=added.rehits,
+            queued=len(self.waiting),
             retracted=retracted,
+            kv=kv,
         )
         scale = self.slowdown / (1000.0 * self.speed)
         s0 = self.profile.step_ms(batch, context, prefill) * scale
@@ -447,63 +405,65 @@ class Engine:
         while not self._is_live(self._finish_heap[0]):
             heapq.heappop(self._finish_heap)
         k_finish = self._finish_heap[0][0] - self.steps
-        k_kv = free // batch
+        k_kv = (self.kv_capacity_tokens - kv.full_used) // batch
+        if kv.swa_growth:  # every step writes a slot per sequence before decode frees its old ones
+            k_kv = min(k_kv, (self.pools.swa_capacity - kv.swa_used - batch) // kv.swa_growth + 1)
         d = self.profile.kappa_ms * batch / 1000.0 * scale
         return Stretch(self.boundary_t, s0, d, max(1, min(k_finish, k_kv)), shape)
 
-    def _admit(self) -> None:
-        """FCFS admission under the running-request limit and the KV pool."""
-        while self.waiting:
-            if len(self.running) + len(self.prefilling) >= self.max_running_requests:
-                return
-            seq = self.waiting[0]
-            if seq.queued_at > self.boundary_t:
-                self._event_t = min(self._event_t, seq.queued_at)
-                return
-            reserve = int(min(seq.max_new_tokens - seq.generated, CLIP_MAX_NEW_TOKENS) * self._new_token_ratio)
-            need = seq.prompt_tokens + seq.generated + reserve
-            if self._running_context(self.steps) + self._prefill_kv + self._reserved + need > self.kv_capacity_tokens:
-                if self.running or self.prefilling:
-                    return
-                # An idle GPU takes the request anyway; retraction handles the rest.
-            self.waiting.popleft()
-            seq.state = SeqState.PREFILL
-            seq.prefill_total = seq.prefill_left = seq.prompt_tokens + seq.generated
-            seq.reserve_tokens = reserve
-            self._reserved += reserve
-            if seq.admitted_at is None:
-                seq.admitted_at = self.boundary_t
-            self.prefilling.append(seq)
-
-    def _next_prefill_chunk(self) -> tuple[int, int, int]:
-        """The next step's prompt chunk: its tokens, the requests it reaches (the first may be
-        partly prefilled already) and the tokens among them of retracted requests."""
-        budget = self.profile.chunked_prefill_tokens
-        total = touched = reprocessed = 0
-        for seq in self.prefilling:
-            take = min(seq.prefill_left, budget - total)
-            total += take
-            touched += 1
-            if seq.retractions:
-                reprocessed += take
-            if total >= budget:
+    def _retract_for(self, prefill: int) -> int:
+        """SGLang's decode check: the step needs a slot per decoding sequence (and the prompt chunk)
+        in both pools, evictable KV counting as free; short of that, retract, least output first,
+        keeping one unless a prompt chunk needs the room."""
+        retracted = 0
+        swa = self.pools.swa_capacity
+        while self.running:
+            batch = len(self.running)
+            need = batch + prefill
+            full_free = self.kv_capacity_tokens - self.pools.full_used(self._running_context(self.steps))
+            if full_free >= need and (not swa or swa - self.pools.swa_used(self.steps) >= need):
                 break
-        return total, touched, reprocessed
+            if batch == 1 and not prefill:
+                break
+            self._retract_one()
+            retracted += 1
+        if retracted:
+            kept = len(self.running)
+            generated = self._generated_base + kept * self.steps
+            self._new_token_ratio = min(1.0, (generated + RETRACT_DECODE_STEPS * kept) / (self._max_new_sum + 1))
+            context = self._running_context(self.steps)
+            self.pools.evict_to_available(context, self.steps, RETRACT_DECODE_STEPS * kept)
+        return retracted
 
     def _retract_one(self) -> None:
-        """Out of KV: send back the running sequence with the least output (SGLang's order)."""
+        """Out of KV: send back the running sequence with the least output (SGLang's order) to the
+        back of the queue; its KV is freed, nothing of it enters the cache."""
         steps = self.steps
         victim = min(
             self.running,
             key=lambda s: (s.generated + steps - s.join_step, -s.prompt_tokens),
         )
         self._leave_running(victim)
-        self._reserved -= victim.reserve_tokens
+        self.cache.release(victim, None, 0)
         victim.state = SeqState.WAITING
         victim.retractions += 1
-        self.waiting.appendleft(victim)
-        self._new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.waiting.append(victim)
         self.retractions += 1
+
+    def _apply_deferred(self) -> None:
+        """The previous step's results: prompts that finished their prefill enter the cache, and
+        requests that ended give up their KV, keeping what has KV in the cache."""
+        deferred, self._deferred = self._deferred, []
+        for seq, tokens, release in deferred:
+            group = seq.kv_group
+            if group not in (RUNNING, HELD):
+                continue
+            self.pools.leave(seq)
+            if release:
+                self.cache.release(seq, tokens, seq.decode_from)
+            else:
+                self.cache.checkpoint(seq, tokens)
+                self.pools.enter(seq, group, self.steps)
 
     # ---- applying a finished stretch --------------------------------------------
 
@@ -515,13 +475,17 @@ class Engine:
         self.boundary_t = seg.end()
         decay = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / NEW_TOKEN_RATIO_DECAY_STEPS
         self._new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self._new_token_ratio - decay * seg.k_max)
+        if seg.shape.queued and seg.shape.batch < self.max_running_requests:
+            self._policy_rounds += seg.k_max - 1  # SGLang orders its queue before every step with room
         if seg.shape.prefill_tokens:
-            self._consume_prefill(seg.shape.prefill_tokens)
+            self._consume_prefill()
         while self._finish_heap and self._finish_heap[0][0] <= self.steps:
             entry = heapq.heappop(self._finish_heap)
             if self._is_live(entry):
                 self._leave_running(entry[2])
                 self._finish(entry[2])
+        # What the steps wrote came from free KV, or from cached KV evicted as it ran short.
+        self.pools.evict_to_available(self._running_context(self.steps), self.steps, 0)
         self._release_wakes(self.steps)
 
     @staticmethod
@@ -530,21 +494,27 @@ class Engine:
         step, _, seq = entry
         return seq.state is SeqState.RUNNING and seq.finish_step == step and seq.abort_message is None
 
-    def _consume_prefill(self, tokens: int) -> None:
-        while tokens and self.prefilling:
-            seq = self.prefilling[0]
-            take = min(seq.prefill_left, tokens)
-            seq.prefill_left -= take
-            self._prefill_kv += take
-            tokens -= take
+    def _consume_prefill(self) -> None:
+        """The step computed each prefilling request's chunk: a request still short of its
+        prompt's end has the chunk cached now (SGLang's stash of the chunked request, seen by the
+        next round); one at its end emits its first token and runs, its prompt cached after the
+        next round is scheduled."""
+        left: deque[Sequence] = deque()
+        for seq in self.prefilling:
+            self.pools.leave(seq)
+            seq.kv_len += seq.chunk
+            seq.prefill_left -= seq.chunk
+            seq.chunk = 0
             if seq.prefill_left:
-                return
-            self.prefilling.popleft()
-            self._prefill_kv -= seq.prefill_total
+                self.cache.checkpoint(seq, seq.kv_len)
+                self.pools.enter(seq, PREFILLING, self.steps)
+                left.append(seq)
+                continue
             if seq.abort_message is not None:
-                self._reserved -= seq.reserve_tokens
+                self.cache.release(seq, None, 0)
                 seq.state = SeqState.FINISHED
                 continue
+            seq.decode_from = seq.kv_len + 1  # none, unless it goes on to decode (`_join_running`)
             if seq.generated >= seq.target_tokens:  # max_new_tokens = 0
                 self._finish(seq)
                 continue
@@ -559,13 +529,20 @@ class Engine:
                 self._finish(seq)
             else:
                 self._join_running(seq)
+                self._deferred.append((seq, seq.kv_len, False))
+        self.prefilling = left
 
     def _join_running(self, seq: Sequence) -> None:
         seq.state = SeqState.RUNNING
         seq.join_step = self.steps
+        seq.decode_from = seq.prompt_tokens + seq.generated - 1  # the first token's KV
         self.running.add(seq)
         self._join_sum += seq.join_step
         self._len_base_sum += seq.prompt_tokens + seq.generated
+        self._generated_base += seq.generated - seq.join_step
+        self._max_new_sum += seq.max_new_tokens
+        self._reserve.add(seq, seq.max_new_tokens - seq.generated + seq.join_step, self.steps)
+        self.pools.enter(seq, RUNNING, self.steps)
         seq.finish_step = seq.join_step + seq.target_tokens - seq.generated
         self._heap_tiebreak += 1
         heapq.heappush(self._finish_heap, (seq.finish_step, self._heap_tiebreak, seq))
@@ -577,26 +554,39 @@ class Engine:
 
     def _leave_running(self, seq: Sequence) -> None:
         """Bank a running sequence's tokens at the current boundary and remove it."""
+        self.pools.leave(seq)
+        self._reserve.remove(seq)
         produced = self.steps - seq.join_step
         self.running.discard(seq)
         self._join_sum -= seq.join_step
         self._len_base_sum -= seq.prompt_tokens + seq.generated
+        self._generated_base -= seq.generated - seq.join_step
+        self._max_new_sum -= seq.max_new_tokens
         self._emitted += produced
         seq.generated += produced
         seq.wake_step = math.inf  # a pending call waits to be filed again (`_join_running`)
 
     def _finish(self, seq: Sequence) -> None:
-        self._reserved -= seq.reserve_tokens
         seq.state = SeqState.FINISHED
         seq.finished_at = self.boundary_t
+        self._hold(seq)
         _resolve(seq.first_token)
         _resolve(seq.done)
         self._call_wake(seq)
         if self._listener is not None:
             self._listener.on_finish(seq)
 
+    def _hold(self, seq: Sequence) -> None:
+        """An ended request keeps its KV until its result is processed: then what has KV (all but
+        the last token) enters the cache and the rest is freed."""
+        self.pools.leave(seq)
+        seq.kv_len = seq.prompt_tokens + max(seq.generated, 1) - 1
+        self.pools.enter(seq, HELD, self.steps)
+        self._deferred.append((seq, seq.kv_len, True))
+
     def _drop_aborted(self) -> None:
-        """Free what aborted requests held; they ended for their clients already."""
+        """Free what aborted requests held; they ended for their clients already. A running one
+        keeps what it computed in the cache, as a finished one does."""
         aborted, self._aborted = self._aborted, []
         for seq in aborted:
             if seq.state is SeqState.WAITING:
@@ -604,9 +594,9 @@ class Engine:
                     self.waiting.remove(seq)
             elif seq.state is SeqState.PREFILL:
                 self.prefilling.remove(seq)
-                self._prefill_kv -= seq.prefill_total - seq.prefill_left
-                self._reserved -= seq.reserve_tokens
+                self.pools.leave(seq)
+                self.cache.release(seq, None, 0)
             elif seq.state is SeqState.RUNNING:
                 self._leave_running(seq)
-                self._reserved -= seq.reserve_tokens
+                self._hold(seq)
             seq.state = SeqState.FINISHED

@@ -19,7 +19,7 @@ giving the same sum and count SGLang would.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -30,8 +30,10 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
-from nodes.emulator.engine import Engine, Sequence, Stretch
-from nodes.emulator.reporter import Reporter, ReportState
+from nodes.emulator.engine import Engine
+from nodes.emulator.reporter import Pools, Reporter, ReportState
+from nodes.emulator.sequence import Sequence
+from nodes.emulator.stretch import KvShape, Stretch
 
 # SGLang 0.5.23's bucket boundaries (seconds) for its latency histograms.
 TTFT_BUCKETS_S = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
@@ -83,6 +85,27 @@ E2E_BUCKETS_S = (
     1200,
     1800,
     2400,
+)
+# SGLang's eviction_duration_seconds buckets (seconds): one device eviction pass.
+EVICTION_BUCKETS_S = (
+    0.001,
+    0.002,
+    0.003,
+    0.004,
+    0.005,
+    0.006,
+    0.007,
+    0.008,
+    0.009,
+    0.01,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
 )
 QUEUE_BUCKETS_S = (
     0.0,
@@ -174,6 +197,9 @@ class WorkerMetrics:
         self.itl = _Histogram(ITL_BUCKETS_S)
         self.queue = _Histogram(QUEUE_BUCKETS_S)
         self.aborted_requests = 0
+        self.cached_tokens = 0  # the tokenizer's cached_tokens_total{cache_source="device"}
+        self.evicted_tokens = 0
+        self.eviction_seconds = _Histogram(EVICTION_BUCKETS_S)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
 
@@ -193,6 +219,7 @@ class WorkerMetrics:
         stats.prompt_tokens += seq.prompt_tokens
         stats.generation_tokens += seq.generated
         stats.e2e.observe(seq.finished_at - seq.arrived_at)
+        self.cached_tokens += seq.cached_tokens
         if seq.first_token_at is not None and seq.generated > 1:
             gap = (seq.finished_at - seq.first_token_at) / (seq.generated - 1)
             self.itl.observe(gap, seq.generated - 1)
@@ -204,10 +231,31 @@ class WorkerMetrics:
         assert self.reporter is not None
         self.reporter.on_stretch(stretch)
 
+    def on_idle(self, kv: KvShape, at: float) -> None:
+        assert self.reporter is not None
+        self.reporter.on_idle(kv, at)
+
+    def on_flush(self) -> None:
+        """SGLang's flush_cache resets the reporter's decode counts (`reset_metrics`)."""
+        assert self.reporter is not None
+        self.reporter.reset_decode_counts()
+
+    def on_eviction(self, tokens: int, seconds: float) -> None:
+        """One eviction pass of the prefix cache (SGLang's update_eviction_metrics)."""
+        self.evicted_tokens += tokens
+        self.eviction_seconds.observe(seconds)
+
     def attach(self, engine: Engine) -> None:
         """Report on `engine` (whose listener this is) from its start."""
         self.engine = engine
-        self.reporter = Reporter(engine.started_at, engine.max_running_requests)
+        self.reporter = Reporter(
+            engine.started_at, engine.max_running_requests, engine.kv_capacity_tokens, engine.pools.swa_capacity
+        )
+        engine.pools.on_eviction = self.on_eviction
+
+    def recent_cache_hit_rate(self) -> float:
+        assert self.engine is not None and self.reporter is not None
+        return self.reporter.recent_cache_hit_rate(self.engine.now())
 
     def report(self) -> ReportState:
         """The scheduler's counters and its last logged gauges, as of now."""
@@ -241,13 +289,17 @@ class WorkerMetrics:
         yield by_mode(
             "realtime_tokens",
             "Tokens processed by forward passes, by mode.",
-            {"prefill_compute": r.prefill_compute_tokens, "prefill_cache": 0, "decode": r.decode_tokens},
+            {
+                "prefill_compute": r.prefill_compute_tokens,
+                "prefill_cache": r.prefill_cache_tokens,
+                "decode": r.decode_tokens,
+            },
             seeded=False,
         )
         yield by_mode(
             "prefill_effective_tokens",
             "Prefill tokens less those of retracted requests prefilled again, by cache tier.",
-            {"input": r.effective_input_tokens, "device_hit": 0, "host_hit": 0, "storage_hit": 0},
+            {"input": r.effective_input_tokens, "device_hit": r.device_hit_tokens, "host_hit": 0, "storage_hit": 0},
             seeded=True,
         )
         yield by_mode(
@@ -265,6 +317,51 @@ class WorkerMetrics:
         )
         idle.add_metric(sched[1], r.idle_published_s)
         yield idle
+
+    @staticmethod
+    def _pool_gauges(
+        pools: Pools, engine: Engine, gauge: Callable[[str, str, float], GaugeMetricFamily]
+    ) -> Iterator[Metric]:
+        """SGLang's pool gauges as last logged (pool_stats_observer.update_scheduler_stats)."""
+        full_cap, swa_cap = engine.kv_capacity_tokens, engine.pools.swa_capacity
+        full_usage = pools.full_used / full_cap
+        swa_usage = pools.swa_used / swa_cap if swa_cap else 0.0
+        yield gauge(
+            "num_used_tokens",
+            "KV tokens in use at the last log point (the fuller pool).",
+            max(pools.full_used, pools.swa_used),
+        )
+        yield gauge("max_total_num_tokens", "Tokens the FULL KV pool holds.", full_cap)
+        yield gauge("max_total_num_tokens_swa", "Tokens the sliding-window KV pool holds.", swa_cap)
+        yield gauge(
+            "token_usage", "Usage of the fuller KV pool at the last log point.", round(max(full_usage, swa_usage), 2)
+        )
+        yield gauge("full_token_usage", "FULL KV pool usage at the last log point.", full_usage)
+        yield gauge("swa_token_usage", "Sliding-window KV pool usage at the last log point.", swa_usage)
+        yield gauge("kv_used_tokens", "FULL KV tokens in use.", pools.full_used)
+        yield gauge("kv_evictable_tokens", "FULL KV tokens cached and evictable.", pools.full_evictable)
+        yield gauge("kv_available_tokens", "FULL KV tokens free.", full_cap - pools.full_used - pools.full_evictable)
+        yield gauge("swa_used_tokens", "Sliding-window KV tokens in use.", pools.swa_used)
+        yield gauge("swa_evictable_tokens", "Sliding-window KV tokens cached and evictable.", pools.swa_evictable)
+        yield gauge(
+            "swa_available_tokens",
+            "Sliding-window KV tokens free.",
+            swa_cap - pools.swa_used - pools.swa_evictable if swa_cap else 0,
+        )
+
+    def _eviction_metrics(self) -> Iterator[Metric]:
+        """The radix cache's collector: created at the first eviction (labels as SGLang's)."""
+        if not self.evicted_tokens:
+            return
+        labels = (["cache_type", "tp_rank", "pp_rank", "dp_rank"], ["UnifiedRadixCache", "0", "0", "0"])
+        c = CounterMetricFamily("sglang:evicted_tokens", "Device KV token slots freed by eviction.", labels=labels[0])
+        c.add_metric(labels[1], self.evicted_tokens)
+        yield c
+        m = HistogramMetricFamily(
+            "sglang:eviction_duration_seconds", "End-to-end time of a device eviction pass.", labels=labels[0]
+        )
+        m.add_metric(labels[1], self.eviction_seconds.buckets(), self.eviction_seconds.total)
+        yield m
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -300,16 +397,11 @@ class WorkerMetrics:
             return m
 
         r = self.report()
-        capacity = engine.kv_capacity_tokens
         yield gauge("num_running_reqs", "Requests in the decode batch at the last log point.", r.running)
         yield gauge("num_queue_reqs", "Requests in the waiting queue at the last log point.", r.queued)
-        yield gauge("num_used_tokens", "KV cache tokens in use at the last log point.", r.used_tokens)
-        yield gauge("max_total_num_tokens", "Tokens the KV cache pool holds.", capacity)
-        yield gauge(
-            "token_usage", "Fraction of the KV cache pool in use at the last log point.", r.used_tokens / capacity
-        )
+        yield from self._pool_gauges(r.pools, engine, gauge)
         yield gauge("gen_throughput", "Output tokens/s of decode passes between decode log points.", r.gen_throughput)
-        yield gauge("cache_hit_rate", "Prefix cache hit rate of the last prefill pass.", 0.0)
+        yield gauge("cache_hit_rate", "Prefix cache hit rate of the last prefill pass.", r.cache_hit_rate)
         yield gauge("decode_sum_seq_lens", "Sum of the decode batch's sequence lengths.", r.decode_sum_seq_lens)
         yield gauge("utilization", "Load over the SLO running-request limit (unset in SGLang: 0).", 0.0)
         yield gauge("num_retracted_reqs", "Requests retracted since the log point before.", r.retracted)
@@ -320,6 +412,13 @@ class WorkerMetrics:
         c = CounterMetricFamily("sglang:num_aborted_requests", "Number of requests aborted.", labels=tok[0])
         c.add_metric(tok[1], self.aborted_requests)
         yield c
+        if self.cached_tokens:
+            c = CounterMetricFamily(
+                "sglang:cached_tokens", "Number of cached prompt tokens by source.", labels=[*tok[0], "cache_source"]
+            )
+            c.add_metric([*tok[1], "device"], self.cached_tokens)
+            yield c
+        yield from self._eviction_metrics()
         yield per_stream_histogram(
             "time_to_first_token_seconds", "Histogram of time to first token in seconds.", "ttft"
         )

@@ -23,6 +23,8 @@ from nodes.emulator.params import (
     RequestError,
     check_sampling_contract,
 )
+from nodes.emulator.radix_cache import pack_ids
+from nodes.emulator.schedule_policy import WAITING_QUEUE_PREFIX_MATCH_MAX
 from nodes.emulator.streaming import EventStream
 from nodes.emulator.web_common import (
     SSE_DONE,
@@ -38,25 +40,26 @@ from nodes.emulator.worker import DuplicateRequestId, EmulatedWorker, Generation
 SGLANG_VERSION = "0.5.23"
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # /generate's default in SGLang
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
+HEALTH_CHECK_IDS = pack_ids([0])  # SGLang's health generation prompts with input_ids [0]
 
 
-def count_prompt(text: str) -> int:
+def encode_prompt(text: str) -> list[int]:
     try:
-        return tokens.count(text)
+        return tokens.encode(text)
     except tokens.PromptTooLong as exc:
         raise RequestError(f"The input is longer than the model's context length: {exc}.") from None
 
 
-def _prompt_tokens(body: dict[str, Any]) -> int:
+def _prompt_ids(body: dict[str, Any]) -> list[int]:
     text, input_ids = body.get("text"), body.get("input_ids")
     if text is None and input_ids is None:
         raise RequestError("Either text, input_ids or input_embeds should be provided.")
     if text is not None:
         if not isinstance(text, str):
             raise RequestError("The emulator serves one prompt per request; send `text` as a string.")
-        if not (count := count_prompt(text)):  # nothing to prefill: no step would ever take it
+        if not (ids := encode_prompt(text)):  # nothing to prefill: no step would ever take it
             raise RequestError("input_ids cannot be empty.")
-        return count
+        return ids
     if not isinstance(input_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in input_ids):
         raise RequestError("The emulator serves one prompt per request; send `input_ids` as a list of ints.")
     if not input_ids:
@@ -64,7 +67,22 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
     bad = next((i for i in input_ids if not 0 <= i < tokens.VOCAB_SIZE), None)
     if bad is not None:
         raise RequestError(f"Token id {bad} is out of the vocabulary [0, {tokens.VOCAB_SIZE}).")
-    return len(input_ids)
+    return input_ids
+
+
+def cache_key_field(body: dict[str, Any], name: str) -> str | None:
+    """`extra_key` or `cache_salt` of a one-prompt request, normalized as SGLang's
+    GenerateReqInput does (an empty string is none)."""
+    value = body.get(name)
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise RequestError(f"The length of {name} should be equal to the batch size.")
+        if not isinstance(value[0], str):
+            raise RequestError(f"Every {name} should be a string.")
+        value = value[0]
+    if value is not None and not isinstance(value, str):
+        raise RequestError(f"{name} should be a list or a string.")
+    return value or None
 
 
 def generate_spec(worker: EmulatedWorker, body: dict[str, Any]) -> GenerateSpec:
@@ -75,13 +93,17 @@ def generate_spec(worker: EmulatedWorker, body: dict[str, Any]) -> GenerateSpec:
         raise BodyError(
             f"[{{'type': 'string_type', 'loc': ('body', 'rid'), 'msg': 'Input should be a valid string', 'input': {rid!r}}}]"
         )
+    ids = _prompt_ids(body)
     return worker.spec_for(
         sampling,
-        _prompt_tokens(body),
+        len(ids),
         rid=rid,
         streaming=body.get("stream") is True,
         default_max_new_tokens=GENERATE_DEFAULT_MAX_NEW_TOKENS,
-        prompt_ids=_chat_prompt_ids(body),
+        prompt_ids=_chat_prompt_ids(body, ids),
+        cache_ids=ids,
+        extra_key=cache_key_field(body, "extra_key"),
+        cache_salt=cache_key_field(body, "cache_salt"),
         top_logprobs=_top_logprobs(body),
     )
 
@@ -96,13 +118,11 @@ def _top_logprobs(body: dict[str, Any]) -> int | None:
     return n
 
 
-def _chat_prompt_ids(body: dict[str, Any]) -> list[int] | None:
+def _chat_prompt_ids(body: dict[str, Any], ids: list[int]) -> list[int] | None:
     """The prompt's ids if it may be a Harmony chat (which is then answered in Harmony)."""
-    text, input_ids = body.get("text"), body.get("input_ids")
-    if isinstance(input_ids, list):
-        return input_ids
-    if isinstance(text, str) and "<|start|>assistant" in text:
-        return tokens.encode(text)
+    text = body.get("text")
+    if not isinstance(text, str) or "<|start|>assistant" in text:
+        return ids
     return None
 
 
@@ -125,12 +145,18 @@ def meta_info(gen: Generation, completion_tokens: int) -> dict[str, Any]:
         "num_retractions": gen.seq.retractions,
         "reasoning_tokens": 0,
         "completion_tokens": completion_tokens,
-        "cached_tokens": 0,
+        "cached_tokens": gen.seq.cached_tokens,
+        "cached_tokens_details": cached_tokens_details(gen.seq.cached_tokens),
     }
     if finish is not None:
         meta["e2e_latency"] = gen.e2e_latency_s()
         meta["response_sent_to_client_ts"] = time.time()
     return meta
+
+
+def cached_tokens_details(cached: int) -> dict[str, int] | None:
+    """SGLang's meta_info cached_tokens_details: none without a hit, else by tier (no HiCache here)."""
+    return {"device": cached, "host": 0} if cached else None
 
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
@@ -203,7 +229,9 @@ async def handle_health(request: web.Request) -> web.Response:
     worker = request.app[WORKER_KEY]
     if worker.faults.unhealthy:
         return web.Response(status=503)
-    spec = GenerateSpec(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt_tokens=1, max_new_tokens=1)
+    spec = GenerateSpec(
+        rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt_tokens=1, max_new_tokens=1, prompt_ids=HEALTH_CHECK_IDS
+    )
     gen = await worker.submit(spec)
     try:
         async with asyncio.timeout(HEALTH_CHECK_TIMEOUT_S):
@@ -250,8 +278,15 @@ def _server_args(worker: EmulatedWorker) -> dict[str, Any]:
         "chunked_prefill_size": c.profile.chunked_prefill_tokens,
         "max_running_requests": e.max_running_requests,
         "max_total_tokens": c.max_total_tokens,
-        "schedule_policy": "fcfs",
+        "page_size": c.cache.page_size,
+        "disable_radix_cache": c.cache.disable_radix_cache,
+        "schedule_policy": c.cache.schedule_policy,
         "schedule_conservativeness": 1.0,
+        "radix_eviction_policy": "lru",
+        "radix_eviction_policy_config": None,
+        "enable_cache_report": c.enable_cache_report,
+        "swa_full_tokens_ratio": c.cache.swa_full_tokens_ratio,
+        "disable_hybrid_swa_memory": False,
         "stream_interval": c.stream_interval,
         "incremental_streaming_output": c.incremental_streaming_output,
         "enable_metrics": True,
@@ -274,7 +309,10 @@ async def handle_server_info(request: web.Request) -> web.Response:
         "world_size": 1,
         "effective_max_running_requests_per_dp": worker.engine.max_running_requests,
         "last_gen_throughput": worker.metrics.last_gen_throughput(),
-        "memory_usage": {"token_capacity": worker.engine.kv_capacity_tokens},
+        "memory_usage": {
+            "token_capacity": worker.engine.kv_capacity_tokens,
+            "token_capacity_swa": worker.engine.pools.swa_capacity,
+        },
     }
     return json_response(
         {
@@ -290,26 +328,41 @@ async def handle_server_info(request: web.Request) -> web.Response:
     )
 
 
+def _waiting_uncached_tokens(worker: EmulatedWorker) -> int:
+    """SGLang's estimate of the queue's prompt tokens still to compute (`load_inquirer.py`): with
+    lpm, each one's last match; otherwise each one's length less the recent hit rate's share; plus
+    what the chunked request has left."""
+    e = worker.engine
+    if e.cache.config.schedule_policy == "lpm" and e.cache.enabled and len(e.waiting) <= WAITING_QUEUE_PREFIX_MATCH_MAX:
+        queued = sum(max(0, s.prompt_tokens + s.generated - s.matched) for s in e.waiting)
+    else:
+        miss = 1.0 - worker.metrics.recent_cache_hit_rate()
+        queued = sum(int((s.prompt_tokens + s.generated) * miss) for s in e.waiting)
+    return queued + sum(s.prefill_left - s.chunk for s in e.prefilling)
+
+
 def _load_entry(worker: EmulatedWorker) -> dict[str, Any]:
     e = worker.engine
-    used = e.kv_used_tokens()
+    pools = e.pool_usage()
+    used = pools.num_used_tokens
+    report = worker.metrics.report()
     return {
         "timestamp": time.time(),
         "dp_rank": 0,
         "num_running_reqs": e.running_count,
         "num_waiting_reqs": e.waiting_count,
-        "num_waiting_uncached_tokens": sum(s.prompt_tokens for s in e.waiting),
+        "num_waiting_uncached_tokens": _waiting_uncached_tokens(worker),
         "num_used_tokens": used,
-        "num_total_tokens": used,
+        "num_total_tokens": used + sum(s.prompt_tokens + s.generated for s in e.waiting),
         "num_active_tokens": used,
         "num_prealloc_ready_tokens": 0,
         "max_total_num_tokens": e.kv_capacity_tokens,
         "max_running_requests": e.max_running_requests,
-        "token_usage": round(used / e.kv_capacity_tokens, 4),
-        "gen_throughput": round(worker.metrics.gen_throughput(), 2),
-        "cache_hit_rate": 0.0,
+        "token_usage": round(pools.usage, 4),
+        "gen_throughput": round(report.gen_throughput, 2),
+        "cache_hit_rate": round(report.cache_hit_rate, 4),
         "utilization": e.running_count / e.max_running_requests,
-        "total_prefill_uncached_tokens": sum(s.prefill_left for s in e.prefilling),
+        "total_prefill_uncached_tokens": report.prefill_compute_tokens,
         "total_prefill_busy_us": 0,
         "decode_moments": None,
     }
@@ -338,12 +391,40 @@ async def handle_get_load(request: web.Request) -> web.Response:
         "dp_rank": 0,
         "num_reqs": e.running_count + e.waiting_count,
         "num_waiting_reqs": e.waiting_count,
-        "num_tokens": e.kv_used_tokens() + waiting_tokens,
+        "num_tokens": e.pool_usage().num_used_tokens + waiting_tokens,
     }
     return json_response([entry])
 
 
+FLUSHING_KEY = web.AppKey("flushing", asyncio.Event)
+FLUSH_POLL_S = 0.01  # how often a flush waiting for idle looks again (SGLang checks every round)
+
+
 async def handle_flush_cache(request: web.Request) -> web.Response:
+    """Empty the prefix cache, only when nothing runs or waits; `?timeout=S` waits up to S seconds
+    for that (SGLang's SchedulerFlushWrapper). 400 when it did not happen."""
+    worker = request.app[WORKER_KEY]
+    try:
+        timeout_s = float(request.query.get("timeout", "0"))
+    except ValueError:
+        timeout_s = -1.0
+    if not timeout_s >= 0.0:
+        return json_response({"detail": "timeout must be a number >= 0"}, 422)
+    flushing = request.app[FLUSHING_KEY]
+    if flushing.is_set():
+        return web.Response(status=400, text="Another flush_cache is already in progress.")
+    flushing.set()
+    try:
+        done = worker.flush_cache()
+        deadline = time.monotonic() + timeout_s
+        while not done and time.monotonic() < deadline:
+            await asyncio.sleep(FLUSH_POLL_S)
+            done = worker.flush_cache()
+    finally:
+        flushing.clear()
+    if not done:
+        message = "Timed out waiting for idle state." if timeout_s > 0 else "Flush cache failed.\n"
+        return web.Response(status=400, text=message)
     return web.Response(
         text="Cache flushed.\nPlease check backend logs for more details. (When there are "
         "running or waiting requests, the operation will not be performed.)\n"

@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from core import harmony
-from nodes.emulator.native_api import count_prompt
+from nodes.emulator.native_api import cache_key_field, encode_prompt
 from nodes.emulator.output import GenerateSpec
 from nodes.emulator.params import (
     BodyError,
@@ -104,14 +104,17 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     return sp
 
 
-def _spec(worker: EmulatedWorker, body: dict[str, Any], prompt_tokens: int, default_max: int | None) -> GenerateSpec:
+def _spec(worker: EmulatedWorker, body: dict[str, Any], prompt_ids: list[int], default_max: int | None) -> GenerateSpec:
     rid = body.get("rid")
     return worker.spec_for(
         _sampling(body),
-        prompt_tokens,
+        len(prompt_ids),
         rid=rid if isinstance(rid, str) else None,
         streaming=body.get("stream") is True,
         default_max_new_tokens=default_max,
+        cache_ids=prompt_ids,
+        extra_key=cache_key_field(body, "extra_key"),
+        cache_salt=cache_key_field(body, "cache_salt"),
     )
 
 
@@ -123,7 +126,7 @@ def _message_text(content: Any) -> str:
     return "".join(part.get("text", "") for part in content if isinstance(part, dict))
 
 
-def _chat_prompt_tokens(body: dict[str, Any]) -> int:
+def _chat_prompt_ids(body: dict[str, Any]) -> list[int]:
     messages = body.get("messages")
     if messages is None:
         raise BodyError(
@@ -147,10 +150,10 @@ def _chat_prompt_tokens(body: dict[str, Any]) -> int:
     effort = body.get("reasoning_effort") or "medium"
     if effort not in harmony.EFFORTS:
         raise RequestError(f"Harmony does not support reasoning effort {effort}")
-    return len(harmony.render_chat(rendered, [], reasoning_effort=effort, today=date.today().isoformat()))
+    return harmony.render_chat(rendered, [], reasoning_effort=effort, today=date.today().isoformat())
 
 
-def _completion_prompt_tokens(body: dict[str, Any]) -> int:
+def _completion_prompt_ids(body: dict[str, Any]) -> list[int]:
     prompt = body.get("prompt")
     if prompt is None:
         raise BodyError(
@@ -161,11 +164,11 @@ def _completion_prompt_tokens(body: dict[str, Any]) -> int:
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("Prompt cannot be empty")
-        return count_prompt(prompt)
+        return encode_prompt(prompt)
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not prompt:
             raise RequestError("Prompt cannot be empty")
-        return len(prompt)
+        return prompt
     raise RequestError("The emulator serves one prompt per request; send `prompt` as a string or token ids.")
 
 
@@ -180,21 +183,27 @@ def _finish(gen: Generation) -> tuple[str | None, Any]:
     return ("length" if kind == "length" else "abort"), None
 
 
-def _usage(gen: Generation, completion_tokens: int) -> dict[str, Any]:
+def _usage(gen: Generation, completion_tokens: int, *, cached: bool) -> dict[str, Any]:
+    """SGLang's UsageInfo; with `cached` (--enable-cache-report, where SGLang reports it) the
+    prompt tokens the cache held, even 0."""
     prompt = gen.spec.prompt_tokens
     return {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": {"cached_tokens": gen.seq.cached_tokens} if cached else None,
         "reasoning_tokens": 0,
         "completion_tokens_details": None,
     }
 
 
+def _cache_report(gen: Generation) -> bool:
+    return gen.worker.config.enable_cache_report
+
+
 async def _serve(
     request: web.Request,
-    prompt_tokens: Callable[[dict[str, Any]], int],
+    prompt_ids: Callable[[dict[str, Any]], list[int]],
     default_max: int | None,
     whole: Callable[[dict[str, Any], Generation], dict[str, Any]],
     stream: Callable[[web.Request, web.StreamResponse, dict[str, Any], Generation], Awaitable[None]],
@@ -206,7 +215,7 @@ async def _serve(
         stream_options = _check_type(body, "stream_options", dict) or {}
         if body.get("stream") not in (None, True, False):
             raise _type_error("stream", bool, body["stream"])
-        spec = _spec(worker, body, prompt_tokens(body), default_max)
+        spec = _spec(worker, body, prompt_ids(body), default_max)
         gen = await worker.submit(spec)
     except (RequestError, ContractError, DuplicateRequestId) as exc:
         return openai_error(str(exc))
@@ -250,7 +259,7 @@ def _chat_body(body: dict[str, Any], gen: Generation) -> dict[str, Any]:
                 "matched_stop": matched,
             }
         ],
-        "usage": _usage(gen, k),
+        "usage": _usage(gen, k, cached=_cache_report(gen)),
         "metadata": {"weight_version": "default"},
     }
 
@@ -277,7 +286,7 @@ async def _chat_stream(
             return None
         chunk = {**head, "choices": [choice({"reasoning_content": None, "content": delta})]}
         if continuous:
-            chunk["usage"] = _usage(gen, k)
+            chunk["usage"] = _usage(gen, k, cached=_cache_report(gen))
         return sse(chunk)
 
     await response.write(
@@ -288,7 +297,7 @@ async def _chat_stream(
     finish, matched = _finish(gen)
     tail = [content(sent, k), sse({**head, "choices": [choice({"reasoning_content": None}, finish, matched)]})]
     if options.get("include_usage"):
-        tail.append(sse({**head, "choices": [], "usage": _usage(gen, k)}))
+        tail.append(sse({**head, "choices": [], "usage": _usage(gen, k, cached=_cache_report(gen))}))
     await response.write(b"".join(chunk for chunk in tail if chunk))
 
 
@@ -306,7 +315,7 @@ def _completion_body(body: dict[str, Any], gen: Generation) -> dict[str, Any]:
                 "matched_stop": matched,
             }
         ],
-        "usage": _usage(gen, k),
+        "usage": _usage(gen, k, cached=_cache_report(gen)),
         "metadata": {"weight_version": "default"},
     }
 
@@ -323,25 +332,25 @@ async def _completion_stream(
         if not delta and finish is None:
             return None
         choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
-        return sse({**head, "choices": [choice], "usage": _usage(gen, k) if continuous else None})
+        return sse({**head, "choices": [choice], "usage": _usage(gen, k, cached=False) if continuous else None})
 
     sent = await EventStream(gen, request, response, piece).run()
     k = gen.tokens_now()
     tail = [piece(sent, k)]
     if body["stream_options"].get("include_usage"):
-        usage = {k_: v for k_, v in _usage(gen, k).items() if v is not None}
+        usage = {k_: v for k_, v in _usage(gen, k, cached=_cache_report(gen)).items() if v is not None}
         tail.append(sse({**head, "choices": [], "usage": usage}))
     await response.write(b"".join(chunk for chunk in tail if chunk))
 
 
 async def handle_chat(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, _chat_prompt_tokens, None, _chat_body, _chat_stream)
+    return await _serve(request, _chat_prompt_ids, None, _chat_body, _chat_stream)
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
     return await _serve(
         request,
-        _completion_prompt_tokens,
+        _completion_prompt_ids,
         COMPLETIONS_DEFAULT_MAX_TOKENS,
         _completion_body,
         _completion_stream,

@@ -42,6 +42,8 @@ class GenerateSpec:
     seed: int | None = None
     streaming: bool = False
     stream_interval: int | None = None  # sampling_params.stream_interval; None: the server's
+    prompt_ids: bytes = b""  # the prompt's token ids (radix_cache.pack_ids), the prefix cache's key
+    cache_namespace: bytes = b""  # its extra_key and cache_salt (prefix_cache.namespace)
     harmony: harmony_answer.Prompt | None = None  # a Harmony chat prompt: answered in Harmony
     tools: tuple[tuple[str, Any], ...] = ()  # functions a structural_tag lets the model call
     json_schema: dict[str, Any] | None = None  # the constraint on the (final) answer
@@ -66,6 +68,12 @@ class OutputPlan:
         if k == self.tokens and self.final_chars is not None:
             text = text[: self.final_chars]
         return text, ids
+
+    def token_ids(self, synth: SyntheticText, n: int) -> tuple[int, ...]:
+        """The answer's first `n` ids (fewer than it has: EOS, if it ends with one, is last)."""
+        source = self.listed or synth
+        start = self.offset % source.period
+        return source.ids[start : start + n]
 
     def delta(self, synth: SyntheticText, since: int, k: int) -> tuple[str, list[int]]:
         """Text and ids added between `since` and `k` tokens: what an incremental stream event

@@ -61,6 +61,7 @@ def _state(worker: EmulatedWorker) -> dict[str, Any]:
             "waiting": len(e.waiting),
             "waiting_retracted": sum(1 for s in e.waiting if s.retractions),  # back in the queue mid-answer
             "kv_used_tokens": e.kv_used_tokens(),
+            "kv_evictable_tokens": e.cache.tree.full_evictable,
             "kv_capacity_tokens": e.kv_capacity_tokens,
             "max_running_requests": e.max_running_requests,
             "emitted_tokens": e.emitted_tokens_total(),
@@ -109,6 +110,7 @@ class WorkerServer:
         app = web.Application(middlewares=[body_error_middleware, fault_middleware], client_max_size=64 * 1024**2)
         app[WORKER_KEY] = self.worker
         app[OUTBOX_KEY] = Outbox()
+        app[native_api.FLUSHING_KEY] = asyncio.Event()
         app[SERVER_KEY] = self
         for method, path, handler in native_api.ROUTES + openai_api.ROUTES:
             app.router.add_route(method, path, handler)

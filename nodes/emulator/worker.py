@@ -13,11 +13,14 @@ from typing import Any
 
 from core import tokens
 from core.gpus import MODEL_CONTEXT_TOKENS, GpuProfile
-from nodes.emulator.engine import Engine, Sequence
+from nodes.emulator.engine import Engine
 from nodes.emulator.harmony_answer import constraints
 from nodes.emulator.metrics import WorkerMetrics
 from nodes.emulator.output import GenerateSpec, OutputPlan, plan_output
 from nodes.emulator.params import resolve_max_new_tokens, verify_sampling
+from nodes.emulator.prefix_cache import CacheConfig, namespace
+from nodes.emulator.radix_cache import pack_ids
+from nodes.emulator.sequence import Sequence
 
 
 class DuplicateRequestId(ValueError):
@@ -43,6 +46,10 @@ class WorkerConfig:
     incremental_streaming_output: bool = False
     tp_size: int = 1  # GPUs the worker spans (its profile is already scaled to them)
     quantization: str | None = None  # SGLang's --quantization, as /server_info reports it
+    cache: CacheConfig = field(
+        default_factory=CacheConfig
+    )  # the prefix cache and admission order (--disable-radix-cache, ...)
+    enable_cache_report: bool = False  # --enable-cache-report: OpenAI usage carries cached tokens
 
 
 @dataclass(slots=True)
@@ -111,6 +118,7 @@ class EmulatedWorker:
             speed=config.speed,
             max_running_requests=config.max_running_requests,
             kv_capacity_tokens=config.max_total_tokens,
+            cache=config.cache,
             listener=self.metrics,
         )
         self.engine.set_slowdown(self.faults.slowdown)
@@ -137,10 +145,15 @@ class EmulatedWorker:
         streaming: bool,
         default_max_new_tokens: int | None,
         prompt_ids: list[int] | None = None,
+        cache_ids: list[int] | None = None,
+        extra_key: str | None = None,
+        cache_salt: str | None = None,
         top_logprobs: int | None = None,
     ) -> GenerateSpec:
         """Verify sampling parameters and lengths as SGLang does (raises RequestError).
-        `prompt_ids`, when known: a Harmony chat prompt among them is answered in Harmony."""
+        `prompt_ids`, when known: a Harmony chat prompt among them is answered in Harmony.
+        `cache_ids`: the prompt's token ids, what the prefix cache matches (with `extra_key` and
+        `cache_salt`, which keep requests from sharing)."""
         params = verify_sampling(sampling, default_max_new_tokens=default_max_new_tokens)
         max_new = resolve_max_new_tokens(
             prompt_tokens,
@@ -162,6 +175,8 @@ class EmulatedWorker:
             streaming=streaming,
             stream_interval=params.stream_interval,
             top_logprobs=top_logprobs,
+            prompt_ids=pack_ids(cache_ids) if cache_ids else b"",
+            cache_namespace=namespace(extra_key, cache_salt),
             **constraints(sampling, prompt_ids),
         )
 
@@ -169,12 +184,20 @@ class EmulatedWorker:
         self.faults.slowdown = factor
         self.engine.set_slowdown(factor)
 
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache if nothing is running or waiting (SGLang's flush_cache)."""
+        if not self.engine.flush_cache():
+            return False
+        self.metrics.on_flush()
+        return True
+
     async def submit(self, spec: GenerateSpec) -> Generation:
         """Admit a request: the fixed pre-GPU cost, then the engine's queue."""
         if spec.rid in self.in_flight:
             raise DuplicateRequestId(f"Duplicate request ID: {spec.rid}")
         loop = asyncio.get_running_loop()
         plan = plan_output(spec, self.synth, self.config.mean_output_tokens)
+        synth = self.synth
         seq = Sequence(
             rid=spec.rid,
             prompt_tokens=spec.prompt_tokens,
@@ -182,6 +205,9 @@ class EmulatedWorker:
             max_new_tokens=spec.max_new_tokens,
             arrived_at=loop.time(),
             streaming=spec.streaming,
+            ids=spec.prompt_ids,
+            namespace=spec.cache_namespace,
+            output_ids=lambda n: pack_ids(plan.token_ids(synth, n)),
         )
         gen = Generation(spec, plan, seq, self)
         self.in_flight[spec.rid] = gen
