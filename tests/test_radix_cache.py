@@ -199,6 +199,27 @@ def test_a_tombstone_inside_a_window_breaks_the_hit_until_the_window_is_back() -
     assert tree.match(b"", pack_ids([*a, 7]), 1000).length == 1000
 
 
+def test_the_tree_and_its_heaps_stay_bounded_by_the_pool() -> None:
+    """20,000 finished answers cached one after another in a pool of 20,000 tokens, each evicting
+    the oldest: the tree never holds more than the pool, and the eviction heaps no more than
+    twice its nodes (plus a constant), though nothing ever runs short of sliding-window KV."""
+    from nodes.emulator.radix_cache import HEAP_SLACK
+
+    tree, pool = _swa_tree(), 20_000
+    rng = random.Random(7)
+    for i in range(20_000):
+        prompt = [i, *(rng.randrange(1000, 200_000) for _ in range(rng.randrange(100, 400)))]
+        short = tree.full_tokens + len(prompt) - pool
+        if short > 0:
+            tree.evict(short)
+        lock = _prefill_checkpoint(tree, prompt)
+        tree.unlock(lock)
+        assert tree.full_tokens <= pool
+    assert len(tree._heap) <= 2 * tree.nodes + HEAP_SLACK
+    assert len(tree._swa_heap) <= 2 * tree.nodes + HEAP_SLACK
+    assert tree.evicted_tokens_total > 20_000 * 100 - pool
+
+
 # ---- requests through the engine ----------------------------------------------------
 
 

@@ -7,11 +7,16 @@ follow SGLang's own cadence, replayed over the engine's stretches of steps by
 SGLang source behind it. In short: a step with a prompt chunk (which, the emulator's step being
 SGLang's --enable-mixed-chunk batch, also decodes every running sequence) is one prefill pass,
 `cuda_graph_passes_total{mode="prefill_none"}`, its chunk in `realtime_tokens_total{mode=
-"prefill_compute"}` and its decode in no counter; a step without one is a decode pass, its
-batch in `realtime_tokens_total{mode="decode"}`, in a graph up to 512 sequences. The gauges are
-held between SGLang's log points (each prefill pass, every 40th decode pass, going idle), not
-read at scrape time; idle seconds are published at most once a second. The request histograms and counters (the tokenizer's) are filled at
-request milestones; inter-token latency is observed once per finished request with a weight of
+"prefill_compute"}`, its prefix-cache hits in `{mode="prefill_cache"}` (and, but for retracted
+requests', in `prefill_effective_tokens_total{mode="device_hit"}` and the `cache_hit_rate` gauge)
+and its decode in no counter; a step without one is a decode pass, its batch in
+`realtime_tokens_total{mode="decode"}`, in a graph up to 512 sequences. The gauges are held
+between SGLang's log points (each prefill pass, every 40th decode pass, going idle), not read at
+scrape time: among them the KV pools, FULL and sliding-window, where cached KV nobody locks is
+evictable, not used (`num_used_tokens` and `token_usage` are the fuller pool's). Idle seconds are
+published at most once a second. The radix cache's eviction counters appear with its first
+eviction. The request histograms and counters (the tokenizer's, `cached_tokens_total` among them)
+are filled at request milestones; inter-token latency is observed once per finished request with a weight of
 `tokens - 1` (the mean gap), which keeps the cost per request rather than per token while
 giving the same sum and count SGLang would.
 """
