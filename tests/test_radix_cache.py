@@ -366,6 +366,29 @@ async def test_retraction_keeps_cached_tokens_and_replays_from_the_cache(run_eng
     assert [engine.generated_tokens(s) for s in seqs] == [3000] * 16
 
 
+async def test_short_sequences_fill_the_sliding_window_pool_first(run_engine) -> None:
+    """A 50-token prompt decoding: shorter than a window and a jump, it holds as much KV in the
+    sliding-window pool as in the full one, which is 0.8 of it, so the SWA pool's usage is what
+    token_usage reports. Once past a window and a jump of output, SWA keeps that much while the
+    full pool grows with every token, and the full pool is the fuller."""
+    engine = run_engine(speed=5.0, kv_capacity_tokens=10_000)
+    seq = _request(_ids(50, 1), _ids(2000, 2))
+    engine.submit(seq)
+    await seq.first_token
+    await asyncio.sleep(0.05)
+    out, pools = engine.generated_tokens(seq), engine.pool_usage()
+    assert 1 < out < 200 and pools.full_used == pools.swa_used == 50 + out
+    assert (pools.full_capacity, pools.swa_capacity) == (10_000, 8_000)
+    assert pools.usage == pools.swa_used / 8_000 and pools.num_used_tokens == 50 + out
+    reached = asyncio.get_running_loop().create_future()
+    engine.call_at_tokens(seq, 600, lambda: reached.done() or reached.set_result(None))
+    await reached
+    out, pools = engine.generated_tokens(seq), engine.pool_usage()
+    assert (pools.full_used, pools.swa_used) == (50 + out, 50 + 255)
+    assert pools.usage == pools.full_used / 10_000
+    engine.abort(seq, "done")
+
+
 async def test_lpm_admits_the_longest_cached_prefix_first(run_engine) -> None:
     """With one request at a time, a queue of a new prompt and then one whose prompt is cached is
     served in arrival order under fcfs, and the cached one first under lpm."""

@@ -223,7 +223,7 @@ class Engine:
     def pool_usage(self) -> PoolUsage:
         """Both KV pools now: in use, evictable, capacity."""
         steps = self.steps_at(self._loop.time())
-        return self.pools.usage(self._running_context(steps), steps)
+        return self.pools.usage(self._running_context(steps), self.steps, steps - self.steps)
 
     def _running_context(self, steps: int) -> int:
         """ΣL over running sequences after `steps` global steps (each adds one token to each)."""

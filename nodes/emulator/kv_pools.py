@@ -191,14 +191,19 @@ class KvPools:
             return 0
         return self.tree.swa_protected + self._swa_running.value(step) + self._swa_fixed
 
-    def usage(self, context: int, step: int) -> PoolUsage:
+    def usage(self, context: int, boundary: int, steps: int) -> PoolUsage:
+        """The pools `steps` steps into the stretch that started at step `boundary` (`context`:
+        the running ΣL then): SWA as the stretch's shape says it grows, so that a read in the
+        middle of a stretch moves nothing past its boundary."""
+        kv = self.shape(context, boundary)
+        swa_used = min(kv.swa_used + kv.swa_growth * steps, kv.swa_used_limit) if self.swa_capacity else 0
         return PoolUsage(
             self.full_capacity,
             self.swa_capacity,
-            self.full_used(context),
-            self.swa_used(step),
-            self.tree.full_evictable,
-            self.tree.swa_evictable if self.swa_capacity else 0,
+            kv.full_used,
+            swa_used,
+            kv.full_evictable,
+            kv.swa_evictable,
         )
 
     def shape(self, context: int, step: int) -> KvShape:
@@ -214,10 +219,6 @@ class KvPools:
             full_evictable=self.tree.full_evictable,
             swa_evictable=self.tree.swa_evictable if self.swa_capacity else 0,
         )
-
-    def swa_growth(self) -> int:
-        """Running sequences whose SWA still grows with each step."""
-        return self._swa_running.linear_n if self.swa_capacity else 0
 
     # ---- eviction ------------------------------------------------------------------
 
