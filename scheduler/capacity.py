@@ -43,18 +43,25 @@ from scheduler.workload import REFERENCE, Workload, WorkloadMix
 # Output tokens/s per GPU in MLPerf Inference 6.1 gpt-oss-120b Server runs (REFERENCE.md §3).
 PRIOR_TOK_S_PER_GPU: dict[str, float] = {"mi300x": 3108.0, "mi355x": 14155.0}
 # How fast the accounting's evidence replaces the estimate: ~95 % after three time constants
-# (15 s), inside the 30 s a mis-declared site may keep a wrong share.
+# (15 s), inside the 30 s a mis-declared site may keep a wrong share ...
 TIME_CONSTANT_S = 5.0
+# ... and at least this many of its workers' passes: the agent reads a worker's counters once a
+# second, and a pass counts in the stretch that ends after it, so a window of a few passes reads
+# up to a read's interval of work too much or too little. A slowed-down emulator's pass lasts
+# seconds (2.4 s at a twentieth of real speed); a real GPU's, a tenth of one.
+WINDOW_PASSES = 8.0
 # Worker-seconds of accounted work (decayed) before it speaks: a few stretches of one worker.
 MIN_BUSY_S = 2.0
 # A change of speed (a brownout, its end) shows first in the last seconds' accounting: when that
 # says another speed than the estimate, by CHANGE_FACTOR or more, for CHANGE_HELD_S, the older
 # evidence is dropped and the estimate restarts from the recent. A 5-s memory alone would still
-# hold a third of the old speed 10 s after a 4-fold brownout; a short one alone is noisy where a
-# pass is long (an emulated site slowed down: a tenth of real speed makes a step a second).
+# hold a third of the old speed 10 s after a 4-fold brownout. The recent window and the hold are
+# at least RECENT_PASSES and HELD_PASSES passes, for the same reason as WINDOW_PASSES.
 RECENT_TIME_CONSTANT_S = 1.5
+RECENT_PASSES = 3.0
 CHANGE_FACTOR = 1.3
 CHANGE_HELD_S = 2.0
+HELD_PASSES = 2.0
 MAX_STEP_S = 2.0  # a long gap between reports must not count as a long observation
 # The fallback without accounting: a site saturated this long delivers its capacity (the rate
 # its agent relayed is averaged over its last 5 s, nodes.agent.delivered).
@@ -127,7 +134,8 @@ class CapacityEstimator:
     workers: int = 0  # as last reported: with the GPUs, how many GPUs one worker spans
     _work: WorkDone | None = None  # the last report's cumulative accounting
     _model_ms: float = 0.0  # decayed: what the accounted work takes the declared GPUs ...
-    _busy_ms: float = 0.0  # ... and what it took the workers
+    _busy_ms: float = 0.0  # ... and what it took the workers, in how many passes
+    _passes: float = 0.0
     _recent_model_ms: float = 0.0  # the same, over the last seconds
     _recent_busy_ms: float = 0.0
     _changed_for_s: float = 0.0  # how long the recent accounting has said another speed
@@ -191,9 +199,12 @@ class CapacityEstimator:
         if done.any_negative():
             return False  # the agent restarted: its totals start again from 0
         model_ms, busy_ms = work_ms(self.profile.tensor_parallel(self._tp), done), 1000.0 * done.busy_s
+        pass_s = self._busy_ms / 1000.0 / self._passes if self._passes else 0.0  # a worker's recent pass
         step = min(dt_s, MAX_STEP_S)
-        keep, keep_recent = math.exp(-step / TIME_CONSTANT_S), math.exp(-step / RECENT_TIME_CONSTANT_S)
+        keep = math.exp(-step / max(TIME_CONSTANT_S, WINDOW_PASSES * pass_s))
+        keep_recent = math.exp(-step / max(RECENT_TIME_CONSTANT_S, RECENT_PASSES * pass_s))
         self._model_ms, self._busy_ms = self._model_ms * keep + model_ms, self._busy_ms * keep + busy_ms
+        self._passes = self._passes * keep + done.passes
         self._recent_model_ms = self._recent_model_ms * keep_recent + model_ms
         self._recent_busy_ms = self._recent_busy_ms * keep_recent + busy_ms
         if self._busy_ms < 1000.0 * MIN_BUSY_S:
@@ -201,7 +212,8 @@ class CapacityEstimator:
         speed, recent = self._model_ms / self._busy_ms, self._recent_model_ms / max(self._recent_busy_ms, 1e-9)
         changed = self._recent_busy_ms >= 500.0 * MIN_BUSY_S and not 1 / CHANGE_FACTOR < recent / speed < CHANGE_FACTOR
         self._changed_for_s = self._changed_for_s + dt_s if changed else 0.0
-        if self._changed_for_s >= CHANGE_HELD_S:
+        if self._changed_for_s >= max(CHANGE_HELD_S, HELD_PASSES * pass_s):
+            self._passes *= self._recent_busy_ms / self._busy_ms  # as many passes as the recent window holds
             self._model_ms, self._busy_ms, self._changed_for_s = self._recent_model_ms, self._recent_busy_ms, 0.0
             speed = recent
         self._settle(self.declared_model_tok_s * speed, dt_s, 1.0, "accounting")
