@@ -153,11 +153,14 @@ def wait_ready(base_url: str) -> None:
 
 def bench_argv(args: argparse.Namespace, backend: str, tokenizer: Path, dataset: Path, result: Path) -> list[str]:
     """bench_serving's command line for one backend (what would follow `python -m sglang.bench_serving`)."""
+    if args.dataset == "generated-shared-prefix":  # its own prompts: at bench_serving's --gsp-* defaults
+        data = ["--dataset-name", "generated-shared-prefix", "--num-prompts", str(args.num_prompts)]
+    else:
+        data = ["--dataset-name", "random", "--dataset-path", str(dataset), "--num-prompts", str(args.num_prompts)]
+        data += ["--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)]
     return [
         *("--backend", backend, "--base-url", args.base_url, "--model", args.model),
-        *("--tokenizer", str(tokenizer), "--dataset-name", "random", "--dataset-path", str(dataset)),
-        *("--num-prompts", str(args.num_prompts), "--seed", str(args.seed)),
-        *("--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)),
+        *("--tokenizer", str(tokenizer), *data, "--seed", str(args.seed)),
         *("--warmup-requests", "0", "--output-file", str(result)),
         *args.bench_args,
     ]
@@ -168,6 +171,13 @@ def main() -> int:
     parser.add_argument("--base-url", default="http://127.0.0.1:8080", help="the gateway")
     parser.add_argument("--model", default=MODEL, help="the served model name")
     parser.add_argument("--backends", nargs="+", default=["sglang", "sglang-oai-chat"])
+    parser.add_argument(
+        "--dataset",
+        choices=["random", "generated-shared-prefix"],
+        default="random",
+        help="bench_serving's --dataset-name: random (its prompts cut from a ShareGPT-shaped file made here), or "
+        "generated-shared-prefix (groups of questions after a shared system prompt; its --gsp-* flags after --)",
+    )
     parser.add_argument("--num-prompts", type=int, default=10)
     parser.add_argument("--input-len", type=int, default=64, help="--random-input-len")
     parser.add_argument("--output-len", type=int, default=32, help="--random-output-len")
