@@ -40,6 +40,7 @@ AGENT_FLAGS = frozenset(
         "--stream-interval",
         "--enable-metrics",
         "--incremental-streaming-output",
+        "--enable-cache-report",
     }
 )
 
@@ -146,6 +147,7 @@ def command_line(recipe: Recipe, model: str, host: str, port: int) -> list[str]:
         *("--stream-interval", str(recipe.stream_interval)),
         "--incremental-streaming-output",  # deltas: SGLang's default repeats the whole answer in every event
         "--enable-metrics",  # the agent reads each worker's load from /metrics
+        "--enable-cache-report",  # a worker's own OpenAI routes say what its prefix cache held (docs/CACHE.md)
         *recipe.args,
     ]
 

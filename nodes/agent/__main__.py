@@ -182,6 +182,7 @@ async def serve(args: argparse.Namespace) -> int:
                 *("--model-path", recipe.model_path, "--served-model-name", args.model),
                 *("--tokenizer-path", recipe.tokenizer_path or args.model),
                 "--incremental-streaming-output",  # deltas: no answer repeated in every event
+                "--enable-cache-report",  # as every recipe's workers (core/recipes.py)
                 *("--stream-interval", str(args.emulator_stream_interval)),
                 *(["--enable-faults"] if args.emulator_enable_faults else []),
             ],
