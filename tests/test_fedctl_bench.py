@@ -140,3 +140,21 @@ def test_datapath_reports_cpu_per_token_per_hop_beside_the_router(tmp_path: Path
         phases["federation every event"]["tokens_per_client_event"] * 3
         < phases["federation"]["tokens_per_client_event"]
     )
+
+
+@pytest.mark.timeout(300)
+def test_the_reuse_workloads_measure_cache_hits_and_affinity(tmp_path: Path) -> None:
+    """SGLang's shared-prefix set and multi-turn conversations, each through the federation and
+    round robin: every request answered; the federation finds most prompt tokens in the sites'
+    prefix caches and round robin (blind to caches at every level) fewer; a conversation's turns
+    stay at its site."""
+    shared = _bench(tmp_path, "--workload", "shared-prefix", "--max-in-flight", "64", "--compare", "round_robin")
+    assert shared["workload"] == "shared-prefix" and shared["requests"] == 1024 and shared["requests_failed"] == 0
+    blind = shared["comparisons"]["round_robin"]
+    assert shared["cache_hit_rate"] > 0.6 and blind["cache_hit_rate"] < shared["cache_hit_rate"], (
+        shared["cache_hit_rate"],
+        blind["cache_hit_rate"],
+    )
+    turns = _bench(tmp_path, "--workload", "multi-turn", "--compare", "round_robin")
+    assert turns["requests_failed"] == 0 and turns["affinity"] >= 0.95 and turns["cache_hit_rate"] > 0.5, turns
+    assert turns["comparisons"]["round_robin"]["affinity"] < 0.9
