@@ -200,9 +200,10 @@ def test_a_tombstone_inside_a_window_breaks_the_hit_until_the_window_is_back() -
 
 
 def test_the_tree_and_its_heaps_stay_bounded_by_the_pool() -> None:
-    """20,000 finished answers cached one after another in a pool of 20,000 tokens, each evicting
-    the oldest: the tree never holds more than the pool, and the eviction heaps no more than
-    twice its nodes (plus a constant), though nothing ever runs short of sliding-window KV."""
+    """20,000 prompts cached one after another in a pool of 20,000 tokens, each evicting the
+    oldest: the tree never holds more than the pool, and the eviction heap no more than twice its
+    nodes (plus a constant); nor does the SWA heap, kept from the first SWA shortfall on, though
+    FULL eviction alone deletes the nodes it files."""
     from nodes.emulator.radix_cache import HEAP_SLACK
 
     tree, pool = _swa_tree(), 20_000
@@ -216,7 +217,12 @@ def test_the_tree_and_its_heaps_stay_bounded_by_the_pool() -> None:
         tree.unlock(lock)
         assert tree.full_tokens <= pool
     assert len(tree._heap) <= 2 * tree.nodes + HEAP_SLACK
-    assert len(tree._swa_heap) <= 2 * tree.nodes + HEAP_SLACK
+    tree.evict_swa(1)  # the SWA heap exists from the first SWA shortfall on
+    for _ in range(2000):
+        lock = _prefill_checkpoint(tree, [rng.randrange(1000, 200_000) for _ in range(300)])
+        tree.unlock(lock)
+        tree.evict(max(0, tree.full_tokens - pool))
+    assert tree._swa_heap is not None and len(tree._swa_heap) <= 2 * tree.nodes + HEAP_SLACK
     assert tree.evicted_tokens_total > 20_000 * 100 - pool
 
 
@@ -547,6 +553,41 @@ async def test_a_hit_skips_the_prefill_and_shows_in_metrics(reporting: EmulatorP
             load = (await resp.json())["loads"][0]
         assert load["cache_hit_rate"] == round(7999 / 8000, 4)
         assert (load["num_used_tokens"], load["token_usage"]) == (0, 0.0)
+
+
+async def test_the_pool_gauges_count_cached_kv_as_evictable_and_evictions_show() -> None:
+    """A 3,000-token pool. A 1,500-token prompt answered with 3 tokens leaves 1,502 tokens cached;
+    the same prompt again, at its prefill pass's log point, holds the 1,499 it hit and the one it
+    computed (used), the rest of the cache being evictable (3: the prompt's last token and 2 of
+    the answer); in the SWA pool it holds one window of the hit and its token (128). The tokenizer
+    counts its device hits in cached_tokens_total. A 2,000-token prompt that does not fit beside
+    the cache evicts it (whole leaves), which the radix cache's counters say."""
+    emu = launch(["--profile", "mi300x", "--workers", "1", "--speed", "20", "--max-total-tokens", "3000"])
+    try:
+        url = emu.urls[0]
+        first = {"input_ids": _ids(1500, 41), "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+        async with aiohttp.ClientSession() as http:
+            for _ in range(2):
+                async with http.post(url + "/generate", json=first) as resp:
+                    assert resp.status == 200
+            text = await (await http.get(url + "/metrics")).text()
+            m = {
+                (s.name, s.labels.get("cache_source", "")): s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+            }
+            assert m[("sglang:cached_tokens_total", "device")] == 1499
+            assert m[("sglang:max_total_num_tokens_swa", "")] == 2400
+            gauges = ("kv_used_tokens", "kv_evictable_tokens", "swa_used_tokens", "num_used_tokens")
+            assert [m[(f"sglang:{name}", "")] for name in gauges] == [1500, 3, 128, 1500]
+            big = {"input_ids": _ids(2000, 42), "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+            async with http.post(url + "/generate", json=big) as resp:
+                assert resp.status == 200
+            text = await (await http.get(url + "/metrics")).text()
+        m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert m["sglang:evicted_tokens_total"] >= 1000 and m["sglang:eviction_duration_seconds_count"] >= 1
+    finally:
+        emu.stop()
 
 
 async def test_flush_cache_empties_the_cache_only_when_idle(plain: EmulatorProcess) -> None:

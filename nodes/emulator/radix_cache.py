@@ -144,7 +144,9 @@ class RadixTree:
         self.nodes = 0  # in the tree, root aside: what bounds the eviction heaps
         self._time = 0.0
         self._heap: list[tuple[float, int, Node]] = []
-        self._swa_heap: list[tuple[float, int, Node]] = []
+        # Built at the first SWA shortfall, kept from then on: most workloads never run short of
+        # SWA, and filing every live window would cost each insert for nothing.
+        self._swa_heap: list[tuple[float, int, Node]] | None = None
 
     # ---- sizes ---------------------------------------------------------------------
 
@@ -372,8 +374,8 @@ class RadixTree:
                 self._heap = _without_dead(self._heap)
 
     def _offer_swa(self, node: Node) -> None:
-        """A node with live SWA nobody locks joins the SWA heap (once)."""
-        if not node.in_swa_heap and node.swa and not node.swa_lock:
+        """A node with live SWA nobody locks joins the SWA heap (once), if it is kept."""
+        if self._swa_heap is not None and not node.in_swa_heap and node.swa and not node.swa_lock:
             node.in_swa_heap = True
             heapq.heappush(self._swa_heap, (node.atime, next(self._tiebreak), node))
             if len(self._swa_heap) > 2 * self.nodes + HEAP_SLACK:
@@ -399,6 +401,13 @@ class RadixTree:
         """Free at least `tokens` SWA tokens, least recently used first: an unlocked leaf whole, a
         node that keeps descendants or a FULL lock by becoming a tombstone; the SWA tokens freed."""
         freed = 0
+        if self._swa_heap is None:
+            self._swa_heap = []
+            stack = [self.root]
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                self._offer_swa(node)
         heap = self._swa_heap
         while freed < tokens and heap:
             atime, _, node = heapq.heappop(heap)
