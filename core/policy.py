@@ -63,9 +63,12 @@ def least_expected_delay(sites: Sequence[SiteLoad], req: RouteRequest, ctx: Rout
     from the client's region (when the client says where it is), plus its prefill there (of the
     prompt less what the site likely holds in its prefix cache), plus a small penalty for how
     full the site is. So a request goes where its prefix is cached unless another site would
-    start it sooner by more than re-prefilling it there costs. Sites with free slots fill in proportion to their
-    slots; once all are full, queues grow in proportion to capacity — every site saturated, none
-    with an idle slot while another has a queue. A site in slow start offers only the slots
+    start it sooner by more than re-prefilling it there costs, or is emptier by more than that
+    (a prefix every prompt shares, a chat template's header, saves next to nothing, so it pulls
+    no work to the first site that saw it; a long conversation's history keeps it where it is).
+    Sites with free slots fill in proportion to their slots; once all are full, queues grow in
+    proportion to capacity — every site saturated, none with an idle slot while another has a
+    queue. A site in slow start offers only the slots
     it has proven (`window`): beyond them, its requests count as waiting. None when no site
     can take it."""
     work = expected_output_tokens(req.max_tokens)
@@ -81,21 +84,15 @@ def least_expected_delay(sites: Sequence[SiteLoad], req: RouteRequest, ctx: Rout
         per_request = s.outstanding_tokens / s.outstanding_requests if s.outstanding_requests else work
         return waiting * per_request / s.capacity_tok_s + wan + prefill
 
-    def score(s: SiteLoad) -> float:
+    def fill(s: SiteLoad) -> float:
         if s.window and s.outstanding_requests + 1 > s.window:
-            fill = 1.0  # past what it has proven: as full as a full site, whatever its free slots
-        else:
-            fill = min(1.0, (s.outstanding_requests + 1) / s.slots) if s.slots > 0 else 0.0
-        return delay(s) + FILL_PENALTY_S * fill
+            return 1.0  # past what it has proven: as full as a full site, whatever its free slots
+        return min(1.0, (s.outstanding_requests + 1) / s.slots) if s.slots > 0 else 0.0
 
-    candidates = _candidates(sites, req)
-    holder = max(candidates, key=lambda s: ctx.cached_tokens.get(s.site, 0), default=None)
-    if holder is not None and ctx.cached_tokens.get(holder.site, 0) > 0:
-        # Its prefix is cached there: it stays unless another site would start it sooner than
-        # that site, re-prefilling it, would (how full each is does not weigh against a hit).
-        if all(delay(holder) <= delay(s) for s in candidates):
-            return RouteDecision(holder.site, holder.agent_address, delay(holder), "least_expected_delay")
-    return _pick("least_expected_delay", [(score(s), s) for s in candidates], delay)
+    def score(s: SiteLoad) -> float:
+        return delay(s) + FILL_PENALTY_S * fill(s)
+
+    return _pick("least_expected_delay", [(score(s), s) for s in _candidates(sites, req)], delay)
 
 
 def round_robin(sites: Sequence[SiteLoad], req: RouteRequest, ctx: RouteContext) -> RouteDecision | None:

@@ -67,16 +67,34 @@ def _site(name: str, outstanding_requests: int) -> SiteLoad:
 
 
 def test_a_request_goes_where_its_prefix_is_unless_another_site_starts_it_sooner_by_more() -> None:
-    """A 20,000-token conversation whose history site `a` holds: with both sites as loaded, it
-    goes to `a` (0.2 s of prefill saved there); with both full and `a` so queued that the
-    request would start there later by more than that, to `b`."""
+    """A 20,000-token conversation whose history site `a` holds: with both sites about as loaded,
+    it goes to `a` (0.2 s of prefill saved there); with `a` much fuller, or both full and `a` so
+    queued that the request would start there later by more than that, to `b`."""
     req = RouteRequest("r", prompt_tokens=20_000, max_tokens=200)
     cached = RouteContext({}, 0, {"a": 19_968})
     assert least_expected_delay([_site("a", 500), _site("b", 500)], req, cached).site == "a"
     assert least_expected_delay([_site("a", 500), _site("b", 480)], req, RouteContext({}, 0)).site == "b"
-    # a fuller than b, with free slots: a hit still starts it sooner, so it stays.
-    assert least_expected_delay([_site("a", 900), _site("b", 500)], req, cached).site == "a"
-    assert least_expected_delay([_site("a", 900), _site("b", 500)], req, RouteContext({}, 0)).site == "b"
+    # a fuller than b by 10 % of its slots, with free slots: the hit (0.2 s) outweighs that.
+    assert least_expected_delay([_site("a", 600), _site("b", 500)], req, cached).site == "a"
+    assert least_expected_delay([_site("a", 600), _site("b", 500)], req, RouteContext({}, 0)).site == "b"
+    # a fuller by 40 %: a bigger batch slows every stream there by more than the hit saves.
+    assert least_expected_delay([_site("a", 900), _site("b", 500)], req, cached).site == "b"
     # b full, one ahead of this request: it starts there in 2 ms, and prefills it all (0.2 s).
     assert least_expected_delay([_site("a", 1050), _site("b", 1000)], req, cached).site == "a"  # 51 ahead: 0.1 s
     assert least_expected_delay([_site("a", 1150), _site("b", 1000)], req, cached).site == "b"  # 151 ahead: 0.3 s
+
+
+def test_a_prefix_every_prompt_shares_does_not_pull_all_work_to_one_site() -> None:
+    """A chat template's header (64 tokens every prompt shares) is held by `a`, which saw the
+    first request: of 400 requests arriving together, `b` (idle) takes half, within a few: the
+    header saves too little prefill to outweigh a fuller batch."""
+    req = RouteRequest("r", prompt_tokens=70, max_tokens=200)
+    load = {"a": 1, "b": 0}
+    holders = {"a"}
+    for _ in range(400):
+        sites = [_site(name, n) for name, n in load.items()]
+        ctx = RouteContext({}, 0, {name: 64 for name in holders})
+        chosen = least_expected_delay(sites, req, ctx).site
+        load[chosen] += 1
+        holders.add(chosen)
+    assert abs(load["a"] - load["b"]) <= 2
