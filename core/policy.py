@@ -56,6 +56,17 @@ def _pick(name: str, scored: list[tuple[float, SiteLoad]], delay: Callable[[Site
 # site 10 % fuller than another loses to it unless it is > 100 ms closer.
 FILL_PENALTY_S = 1.0
 
+# A cached prefix of at least this many tokens is a hit worth following: the request stays at
+# the site holding it, re-prefilling it elsewhere being a miss that stalls every stream of that
+# worker's batch, not only this one (so it weighs more than its own prefill). Shorter ones, a
+# chat template's header every prompt shares, count only as the prefill they save.
+MIN_HIT_TOKENS = 256
+# ... while that site is no fuller than the emptiest candidate by more than this share of its
+# slots (the sglang-router's cache_aware policy likewise balances before it follows a cache).
+# So a long system prompt does not pull all work to the first site that saw it, and a site
+# that joins holding nothing is sent work once the others are this much fuller.
+HIT_FILL_MARGIN = 0.25
+
 
 def least_expected_delay(sites: Sequence[SiteLoad], req: RouteRequest, ctx: RouteContext) -> RouteDecision | None:
     """The site where this request would start soonest: the time until a slot frees there (the
@@ -65,7 +76,9 @@ def least_expected_delay(sites: Sequence[SiteLoad], req: RouteRequest, ctx: Rout
     full the site is. So a request goes where its prefix is cached unless another site would
     start it sooner by more than re-prefilling it there costs, or is emptier by more than that
     (a prefix every prompt shares, a chat template's header, saves next to nothing, so it pulls
-    no work to the first site that saw it; a long conversation's history keeps it where it is).
+    no work to the first site that saw it). A hit of `MIN_HIT_TOKENS` or more keeps the request
+    at its holder unless another starts it sooner or the holder is fuller than the emptiest by
+    more than `HIT_FILL_MARGIN`: a conversation's history keeps it where it is.
     Sites with free slots fill in proportion to their slots; once all are full, queues grow in
     proportion to capacity — every site saturated, none with an idle slot while another has a
     queue. A site in slow start offers only the slots
@@ -92,7 +105,15 @@ def least_expected_delay(sites: Sequence[SiteLoad], req: RouteRequest, ctx: Rout
     def score(s: SiteLoad) -> float:
         return delay(s) + FILL_PENALTY_S * fill(s)
 
-    return _pick("least_expected_delay", [(score(s), s) for s in _candidates(sites, req)], delay)
+    candidates = _candidates(sites, req)
+    most = max((ctx.cached_tokens.get(s.site, 0) for s in candidates), default=0)
+    if most >= MIN_HIT_TOKENS:
+        # Of the sites holding the most of it, the one that would serve it best.
+        holder = min((s for s in candidates if ctx.cached_tokens.get(s.site, 0) == most), key=score)
+        balanced = fill(holder) <= min(fill(s) for s in candidates) + HIT_FILL_MARGIN
+        if balanced and all(delay(holder) <= delay(s) for s in candidates):
+            return RouteDecision(holder.site, holder.agent_address, delay(holder), "least_expected_delay")
+    return _pick("least_expected_delay", [(score(s), s) for s in candidates], delay)
 
 
 def round_robin(sites: Sequence[SiteLoad], req: RouteRequest, ctx: RouteContext) -> RouteDecision | None:
