@@ -27,7 +27,8 @@ from nodes.emulator.launch import EmulatorProcess, launch
 from nodes.emulator.prefix_cache import CacheConfig
 from nodes.emulator.radix_cache import RadixTree, pack_ids
 from nodes.emulator.sequence import Sequence
-from nodes.emulator.stretch import KvShape, Stretch
+from tests.test_emulator_accounting import _metrics
+from tests.test_engine import _Kept
 
 W = 127  # GPT-OSS's sliding window as SGLang's tree keeps it
 
@@ -35,25 +36,6 @@ W = 127  # GPT-OSS's sliding window as SGLang's tree keeps it
 def _ids(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1000, 200_000) for _ in range(n)]
-
-
-class _Kept:
-    """An engine listener that keeps the stretches it is given."""
-
-    def __init__(self) -> None:
-        self.stretches: list[Stretch] = []
-
-    def on_first_token(self, seq: Sequence) -> None:
-        pass
-
-    def on_finish(self, seq: Sequence) -> None:
-        pass
-
-    def on_stretch(self, stretch: Stretch) -> None:
-        self.stretches.append(stretch)
-
-    def on_idle(self, kv: KvShape, at: float) -> None:
-        pass
 
 
 def _swa_tree(page: int = 1) -> RadixTree:
@@ -521,17 +503,6 @@ async def _ttft(http: aiohttp.ClientSession, url: str, ids: list[int]) -> float:
     return first - started
 
 
-async def _scheduler_samples(http: aiohttp.ClientSession, url: str) -> dict[tuple[str, str], float]:
-    async with http.get(url + "/metrics") as resp:
-        text = await resp.text()
-    return {
-        (s.name, s.labels.get("mode", "")): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if "tp_rank" in s.labels
-    }
-
-
 async def test_a_hit_skips_the_prefill_and_shows_in_metrics(reporting: EmulatorProcess) -> None:
     """An 8,000-token prompt sent again starts answering sooner by the prefill of the 7,999
     tokens the cache holds (the step model's 0.029 ms a token on an MI300X, ~232 ms), and the
@@ -544,7 +515,7 @@ async def test_a_hit_skips_the_prefill_and_shows_in_metrics(reporting: EmulatorP
         hit = await _ttft(http, url, prompt)
         saved = PROFILES["mi300x"].rho_ms * 7999 / 1000
         assert miss - hit == pytest.approx(saved, abs=0.08), (miss, hit)
-        m = await _scheduler_samples(http, url)
+        m = await _metrics(http, url)
         assert m[("sglang:cache_hit_rate", "")] == pytest.approx(7999 / 8000)
         assert m[("sglang:realtime_tokens_total", "prefill_cache")] == 7999
         assert m[("sglang:prefill_effective_tokens_total", "device_hit")] == 7999
