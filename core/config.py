@@ -14,8 +14,9 @@ from typing import Annotated, Literal
 
 import pydantic
 import yaml
-from pydantic import ConfigDict, Field, Strict, StrictStr
+from pydantic import ConfigDict, Field, Strict, StrictBool, StrictStr
 
+from core import runtime
 from core.policy import POLICIES
 from core.recipes import DEFAULT_RECIPES, Recipe, RecipeError
 from core.settings import Timings, describe
@@ -75,6 +76,8 @@ class Config:
     gateway_processes: int = 1
     ttft_budget_ms: float = 0.0  # gateway latency mode when > 0 (see federation/gateway/admission.py)
     api_keys: str = ""  # the gateways' keys file (`fedctl keys add`); "": an open endpoint
+    # An open endpoint on a host other than loopback is refused unless asked for (gateway.open).
+    gateway_open: bool = False
     # Open connections one client address may hold at a gateway process (0: no cap). A bench's
     # or drill's load generator is one address with thousands of streams: they set 0.
     max_connections_per_address: int = 1024
@@ -151,6 +154,7 @@ class _Gateway(_Section):
     processes: _POSITIVE_INT = 1
     ttft_budget_ms: Annotated[_NUMBER, Field(ge=0)] = 0.0
     api_keys: StrictStr = ""
+    open: StrictBool = False  # serve without api_keys on a host other than loopback, on purpose
     max_connections_per_address: Annotated[int, Strict(), Field(ge=0)] = 1024
 
 
@@ -248,6 +252,7 @@ def parse(text: str, source: str = "config") -> Config:
         gateway_processes=file.gateway.processes,
         ttft_budget_ms=float(file.gateway.ttft_budget_ms),
         api_keys=file.gateway.api_keys,
+        gateway_open=file.gateway.open,
         max_connections_per_address=file.gateway.max_connections_per_address,
         rtt_ms=rtt,
         sites=sites,
@@ -266,6 +271,12 @@ def parse(text: str, source: str = "config") -> Config:
     except (ConfigError, RecipeError) as exc:
         raise ConfigError(f"{source}: {exc}") from None
     _check_ports(config, source)
+    if not (config.api_keys or config.gateway_open or runtime.is_loopback(config.host)):
+        raise ConfigError(
+            f"{source}: host {config.host} serves the gateway beyond this machine, and without gateway.api_keys "
+            "anyone who reaches its port may use it: set gateway.api_keys (`fedctl keys add`), or gateway.open: "
+            "true to serve anyone on purpose"
+        )
     return config
 
 

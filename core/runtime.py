@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import ipaddress
 import json
 import math
 import signal
@@ -144,6 +145,17 @@ def rtt_map(links: Iterable[tuple[str, str, float]]) -> dict[tuple[str, str], fl
     for a, b, seconds in links:
         rtt[(a, b)] = rtt[(b, a)] = seconds
     return rtt
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an address to bind reaches this machine only ("localhost", 127.0.0.0/8, ::1).
+    Any other name may resolve beyond it, and 0.0.0.0 or :: is every interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def positive_float(text: str) -> float:

@@ -131,6 +131,7 @@ class Federation:
         ]
         gateway_args += ["--ttft-budget-ms", str(c.ttft_budget_ms), *rtt_args, *_timings_args(c.timings.gateway)]
         gateway_args += ["--api-keys", c.api_keys] if c.api_keys else []
+        gateway_args += ["--open"] if c.gateway_open else []
         gateway_args += ["--max-connections-per-address", str(c.max_connections_per_address)]
         shared, env = [], {}
         if c.gateway_processes > 1:  # one port, and one /metrics for all of them

@@ -8,7 +8,6 @@ value, which every user of the machine sees, nor the environment, which every ch
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 import grpc
@@ -89,7 +88,7 @@ async def serve(args: argparse.Namespace) -> int:
     except OSError:
         return 1
     await server.start()
-    expiry = asyncio.ensure_future(service.expire_forever())
+    expiry = service.start_expiry()
     stop = runtime.stop_event()
     runtime.announce_ready(scheduler=address, **metrics_endpoint.announced(args.host, args.metrics_port, args.tls))
     await stop.wait()

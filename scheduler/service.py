@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 import grpc
 import structlog
 
-from core import runtime, wire
+from core import runtime, supervise, wire
 from core.authz import UNGUARDED, Guard
 from core.credential import presented
 from core.policy import POLICIES, RouteContext
@@ -57,6 +57,11 @@ class SchedulerService(wire.SchedulerServicer):
         self.policy = POLICIES[policy]
         self._decisions = 0
         self._commands: dict[str, asyncio.Queue[wire.SchedulerCommand]] = {}
+
+    def start_expiry(self) -> asyncio.Task[None]:
+        """The sweep that marks silent sites down, restarted if it ever raises (core.supervise):
+        without it a site that died would be routed to forever."""
+        return supervise.restarting("scheduler.expire", self.expire_forever)
 
     async def expire_forever(self) -> None:
         """Mark silent sites down; runs for the life of the server. A check that comes late

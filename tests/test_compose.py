@@ -15,6 +15,7 @@ import yaml
 
 from core import pki
 from core.processes import PROJECT_ROOT
+from federation.gateway import keys
 
 
 def _compose() -> dict:
@@ -27,7 +28,8 @@ def _federation(compose: dict) -> dict[str, dict]:
 
 
 def _certificates(root: Path) -> None:
-    """What the compose file's comment tells the operator to make, made in `root`."""
+    """What the compose file's comment tells the operator to make, made in `root`: certificates
+    and the gateway's keys file."""
     ca = pki.init_ca(root / "federation-ca")
     for identity in (
         pki.Identity(pki.Role.SCHEDULER),
@@ -37,15 +39,24 @@ def _certificates(root: Path) -> None:
         pki.OPERATOR,  # Prometheus's, in the monitoring profile
     ):
         pki.issue(ca, identity, root / "certs")
+    keys.add(root / "keys" / "federation-keys.json", "me", keys.KeyLimits())
 
 
 def _mounted(args: list[str], volumes: list[str], root: Path) -> list[str]:
-    """The command's arguments with each file the container mounts at its path on the host."""
+    """The command's arguments with each file (or file in a directory) the container mounts at
+    its path on the host."""
     mounts = {}
     for volume in volumes:
         host, container, _ = volume.split(":")
         mounts[container] = str(root / host.removeprefix("./"))
-    return [mounts.get(arg, arg) for arg in args]
+
+    def on_host(arg: str) -> str:
+        for container, host in mounts.items():
+            if arg == container or arg.startswith(container + "/"):
+                return host + arg.removeprefix(container)
+        return arg
+
+    return [on_host(arg) for arg in args]
 
 
 def test_every_service_command_parses_with_its_own_certificate(tmp_path: Path) -> None:

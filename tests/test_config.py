@@ -12,6 +12,7 @@ import pytest
 from core.config import DEFAULT_YAML, ConfigError, parse
 from core.processes import PROJECT_ROOT
 from federation.bench.run import bench_config
+from federation.gateway.__main__ import parse_args as gateway_args
 
 
 def test_default_is_the_embedded_federation() -> None:
@@ -148,3 +149,23 @@ def test_a_slowed_federation_stretches_the_data_path_not_the_control_plane() -> 
     assert config.rtt_between("ap-northeast-2", "us-west-2") == 2600.0
     assert config.control_rtt_between("ap-northeast-2", "us-west-2") == 130.0
     assert parse(DEFAULT_YAML).control_rtt_between("ap-northeast-2", "us-west-2") == 130.0
+
+
+SITE_A = "sites: [{name: a, region: us-west-2, gpu: mi300x, gpus: 1, agent_port: 9000}]\n"
+
+
+def test_an_open_gateway_beyond_loopback_is_refused_unless_asked_for(capsys) -> None:
+    """A gateway on every interface without API keys would serve anyone who reaches the port:
+    the file is refused, and so is the gateway's command line (exit 2, one message naming the
+    way out), unless keys are given or it is told to run open."""
+    with pytest.raises(ConfigError, match=re.escape("gateway.open: true")):
+        parse("host: 0.0.0.0\ngateway: {port: 8080, region: us-west-2}\n" + SITE_A)
+    assert parse("host: 0.0.0.0\ngateway: {port: 8080, region: us-west-2, open: true}\n" + SITE_A).gateway_open
+    assert not parse("host: ::1\ngateway: {port: 8080, region: us-west-2}\n" + SITE_A).gateway_open
+    base = ["--scheduler", "127.0.0.1:50051", "--insecure"]
+    for host in ("0.0.0.0", "10.1.2.3", "gw.example.net"):
+        with pytest.raises(SystemExit) as exited:
+            gateway_args([*base, "--host", host])
+        assert exited.value.code == 2 and "--open" in capsys.readouterr().err
+    assert gateway_args([*base, "--host", "0.0.0.0", "--open"]).open
+    assert not gateway_args([*base, "--host", "localhost"]).open

@@ -31,6 +31,12 @@ OPEN_WARNING = "OPEN ENDPOINT (no --api-keys): anyone who reaches the port may u
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m federation.gateway", description="The federation's endpoint.")
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--open",
+        action="store_true",
+        help="serve without --api-keys on an address other than loopback (refused otherwise: anyone who "
+        "reaches the port could use it)",
+    )
     p.add_argument("--port", type=int, default=8080)
     p.add_argument(
         "--scheduler", action="append", required=True, help="host:port of a scheduler replica; repeat for each"
@@ -110,6 +116,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             Keys(args.api_keys)
         except KeyFileError as exc:
             p.error(str(exc))
+    elif not args.open and not runtime.is_loopback(args.host):
+        p.error(
+            f"--host {args.host} serves beyond this machine, and without --api-keys anyone who reaches the port "
+            "may use it: give --api-keys FILE (`fedctl keys add`), or --open to serve anyone on purpose"
+        )
     if args.limits_db is None and os.environ.get(metrics.MULTIPROCESS_DIR_ENV):
         args.limits_db = Path(os.environ[metrics.MULTIPROCESS_DIR_ENV]) / "limits.sqlite"
     if args.retry_budget_s is not None:

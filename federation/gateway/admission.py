@@ -26,7 +26,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from core import wire
+from core import supervise, wire
 from core.errors import BadRequest, TooBusy
 from federation.gateway.schedulers import Schedulers
 
@@ -92,7 +92,7 @@ class Admission:
         held = _Held(probe, deadline, asyncio.get_running_loop().create_future())
         self._queue.append(held)
         if self._pump is None or self._pump.done():
-            self._pump = asyncio.ensure_future(self._release_forever())
+            self._pump = supervise.restarting("gateway.admission", self._release_forever)
         try:
             async with asyncio.timeout(left):
                 await held.released

@@ -81,6 +81,7 @@ def add(path: Path, name: str, limits: KeyLimits) -> str:
         updated = _KeysFile.model_validate({"keys": {**stored.keys, name: entry}})
     except pydantic.ValidationError:
         raise KeyFileError(f"{name!r}: a key's name is 1-64 letters, digits, '.', '_' or '-'") from None
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # `--file keys/federation-keys.json` in a fresh checkout
     temporary = path.with_name(path.name + ".tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

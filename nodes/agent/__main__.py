@@ -32,7 +32,7 @@ import aiohttp
 import grpc
 import structlog
 
-from core import credential, metrics_endpoint, mtls, recipes, runtime, tracing, unreadable, wire
+from core import credential, metrics_endpoint, mtls, recipes, runtime, supervise, tracing, unreadable, wire
 from core.authz import Guard
 from core.pki import Identity, Role
 from core.processes import free_port_block
@@ -277,8 +277,13 @@ async def _serve_joined(
     await server.start()
     gate = service.gate
     urls = [w.url for w in pool.workers]
-    tasks = [asyncio.ensure_future(pool.check_forever()), asyncio.ensure_future(service.watch_calls())]
+    supervisor = supervise.Supervisor()
+    tasks = [
+        supervise.restarting("agent.check_workers", pool.check_forever),
+        supervise.restarting("agent.watch_calls", service.watch_calls),
+    ]
     stop = asyncio.ensure_future(runtime.stop_event().wait())
+    failed = asyncio.ensure_future(supervisor.failed.wait())
     waits = not gate.schedulers.done()
     if waits:  # ready to be joined: serving, not yet probed or reporting
         runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=False, **announced)
@@ -294,22 +299,22 @@ async def _serve_joined(
         reporter.start(list(gate.schedulers.result()))
         if not waits:  # ready once reporting, as it was started to be
             runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=True, **announced)
-        tasks.append(asyncio.ensure_future(reporter.feed_forever()))
+        supervisor.essential("agent.report", reporter.feed_forever())
         if service.starting:
-            tasks.append(asyncio.ensure_future(_probe_when_up(args, pool, service, reporter, served)))
-        await asyncio.wait([stop, tasks[2]], return_when=asyncio.FIRST_COMPLETED)
+            supervisor.essential("agent.probe_when_up", _probe_when_up(args, pool, service, reporter, served))
+        await asyncio.wait([stop, failed], return_when=asyncio.FIRST_COMPLETED)
     log.info("agent.stopping", site=args.site)
-    stopped = stop.done()  # else the reporter died
-    for task in (*tasks, stop):
+    for task in (*tasks, stop, failed):
         task.cancel()
-    await asyncio.gather(*tasks, stop, return_exceptions=True)
+    await asyncio.gather(*tasks, stop, failed, return_exceptions=True)
+    await supervisor.close()
     if reporter is not None:
         await asyncio.to_thread(reporter.stop)
     await server.stop(args.timings.shutdown_grace_s)
     await service.close()
     if metrics is not None:
         await metrics.cleanup()
-    return 0 if stopped else 1
+    return supervisor.exit_code
 
 
 async def _probe_when_up(

@@ -55,6 +55,10 @@ REFUSED_CODES = (
 MAX_PENDING_IDS = 100_000
 
 
+class ReporterDied(Exception):
+    """The process that sends the site's reports is gone."""
+
+
 class ReportFeed:
     """The agent's side: starts the reporter process and feeds it snapshots of the load."""
 
@@ -95,13 +99,13 @@ class ReportFeed:
         self._sender.start()
 
     async def feed_forever(self) -> None:
-        """A snapshot every tick, handed to the sending thread. Returns if the reporter process
-        died: the site can no longer be seen as up, so the agent stops too."""
+        """A snapshot every tick, handed to the sending thread. Raises ReporterDied if the
+        reporter process died: the site can no longer be seen as up, so the agent stops too."""
         assert self._conn is not None, "start() first"
         while not self._dead.is_set():
             self._offer(self.make_report())
             await asyncio.sleep(self.timings.loop_tick_s)
-        log.error("reporter.died", site=self.registration.name)
+        raise ReporterDied(f"site {self.registration.name}: the reporter process died")
 
     def _offer(self, report: wire.SiteReport) -> None:
         """The latest snapshot, with the ids of any the thread has not sent yet."""

@@ -204,6 +204,12 @@ class SiteAgentService(wire.SiteAgentServicer):
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
+        except Exception as exc:
+            # A bug of ours: the request ends now as the site's failure, so the gateway resumes
+            # or retries it elsewhere at once instead of waiting out its deadline.
+            bound.exception("generate.unexpected_error")
+            if record.finish is None:  # else its answer was whole: the client has it
+                record.fail(wire.StreamError.SITE_FAILED, f"site {self.site}: internal error ({type(exc).__name__})")
         finally:
             self.metrics.finished[outcome]()
 

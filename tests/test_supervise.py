@@ -1,0 +1,109 @@
+"""Long-lived tasks never die silently (core.supervise): a loop that raises is logged with its
+traceback and started again after a backoff; an essential task that raises stops its process
+with exit code 1, the traceback logged; and each supervised task of ours holds its rule when
+something raises inside it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import psutil
+import pytest
+from structlog.testing import capture_logs
+
+from core import supervise, wire
+from core.settings import SchedulerTimings
+from federation.drills.faults import poll_until
+from scheduler.service import SchedulerService
+
+SITE = "kr-mi300x"
+
+
+async def test_a_loop_that_raises_is_logged_and_restarted_after_a_growing_backoff() -> None:
+    """Raising twice, then running to its end: three runs, two tracebacks logged, the second
+    restart after twice the first's backoff."""
+    runs: list[float] = []
+
+    async def flaky() -> None:
+        runs.append(time.monotonic())
+        if len(runs) <= 2:
+            raise RuntimeError(f"bug {len(runs)}")
+
+    with capture_logs() as logs:
+        await asyncio.wait_for(supervise.restarting("flaky", flaky), 5)
+    restarts = [e for e in logs if e["event"] == "task.restarting"]
+    assert len(runs) == 3 and [e["task"] for e in restarts] == ["flaky", "flaky"]
+    assert [e["after_s"] for e in restarts] == [supervise.RESTART_FIRST_S, 2 * supervise.RESTART_FIRST_S]
+    assert all(e["exc_info"] is True for e in restarts)  # structlog renders the traceback
+    assert runs[2] - runs[1] >= 2 * supervise.RESTART_FIRST_S * 0.9
+
+
+async def test_an_essential_task_that_raises_fails_the_process_and_one_that_ends_does_not() -> None:
+    supervisor = supervise.Supervisor()
+
+    async def done() -> None:
+        return None
+
+    async def broken() -> None:
+        await asyncio.sleep(0.01)
+        raise ValueError("a bug")
+
+    with capture_logs() as logs:
+        await supervisor.essential("done", done())
+        assert not supervisor.failed.is_set() and supervisor.exit_code == 0
+        supervisor.essential("broken", broken())
+        await asyncio.wait_for(supervisor.failed.wait(), 5)
+        await supervisor.close()
+    assert supervisor.exit_code == supervise.EXIT_FAILED
+    failed = [e for e in logs if e["event"] == "task.failed"]
+    assert len(failed) == 1 and failed[0]["task"] == "broken"
+    assert isinstance(failed[0]["exc_info"][1], ValueError)
+
+
+async def test_the_schedulers_expiry_sweep_that_raises_still_marks_a_silent_site_down(monkeypatch) -> None:
+    """The sweep raises on its first check: it is logged, started again, and the site that
+    stopped reporting is down within the heartbeat timeout and the backoff."""
+    timings = SchedulerTimings()
+    service = SchedulerService("m", {}, timings=timings)
+    service.registry.register(wire.SiteRegistration(SITE, "r", "mi300x", 8, "kr:1", "m"))
+    service.registry.apply_report(wire.SiteReport(SITE, healthy_workers=8, total_workers=8), time.monotonic())
+    expire, calls = service.registry.expire, []
+
+    def raising_once(now: float) -> list[str]:
+        calls.append(now)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the sweep")
+        return expire(now)
+
+    monkeypatch.setattr(service.registry, "expire", raising_once)
+    with capture_logs() as logs:
+        task = service.start_expiry()
+        try:
+            limit_s = timings.heartbeat_timeout_s + supervise.RESTART_FIRST_S + 2.0
+            for _ in range(round(limit_s / 0.05)):
+                if service.registry.get(SITE).status is wire.SiteStatus.DOWN:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            task.cancel()
+    assert service.registry.get(SITE).status is wire.SiteStatus.DOWN
+    assert [e["task"] for e in logs if e["event"] == "task.restarting"] == ["scheduler.expire"]
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_whose_reporter_dies_logs_why_and_exits_non_zero(make_federation, capfd) -> None:
+    """The process that sends the site's reports is killed: the agent cannot be seen as up, so
+    it says which task failed, with the traceback, and exits 1 for its supervisor to restart."""
+    fed, _ = make_federation()
+    agent = fed.child(f"agent {SITE}")
+    reporter = next(p for p in psutil.Process(agent.pid).children() if "spawn_main" in " ".join(p.cmdline()))
+    reporter.send_signal(signal.SIGKILL)
+    assert poll_until(lambda: agent.proc.poll() is not None, 30) is not None
+    assert agent.proc.returncode == supervise.EXIT_FAILED
+    lines = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.startswith("{")]
+    failed = [e for e in lines if e.get("event") == "task.failed"]
+    assert failed and failed[0]["task"] == "agent.report", failed
+    assert "ReporterDied" in json.dumps(failed[0]["exception"])
