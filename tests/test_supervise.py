@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 
@@ -15,8 +16,14 @@ import pytest
 from structlog.testing import capture_logs
 
 from core import supervise, wire
+from core.errors import FederationError, UpstreamFailed
+from core.processes import free_port_block
 from core.settings import SchedulerTimings
 from federation.drills.faults import poll_until
+from federation.gateway.upstream import SiteStream, Upstream
+from nodes.agent import __main__ as agent_main
+from nodes.agent.service import SiteAgentService
+from nodes.emulator.launch import launch
 from scheduler.service import SchedulerService
 
 SITE = "kr-mi300x"
@@ -107,3 +114,57 @@ def test_an_agent_whose_reporter_dies_logs_why_and_exits_non_zero(make_federatio
     failed = [e for e in lines if e.get("event") == "task.failed"]
     assert failed and failed[0]["task"] == "agent.report", failed
     assert "ReporterDied" in json.dumps(failed[0]["exception"])
+
+
+def _ignore(_stream: SiteStream, _delta: wire.TokenDelta) -> None:
+    pass
+
+
+@pytest.mark.timeout(120)
+async def test_an_unexpected_error_in_a_generation_fails_it_at_once_as_the_sites(monkeypatch) -> None:
+    """A bug inside the agent's generation (here its relay raises what no handler expects): the
+    request ends within seconds with the site's failure, which the gateway resumes or retries
+    elsewhere, instead of waiting out its 1,900-s deadline; the agent serves on."""
+    workers = launch(["--profile", "mi355x", "--workers", "1", "--speed", "20"])
+    port = free_port_block(1)
+    site = ["--insecure", "--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "1", "--port", str(port)]
+    nobody = f"127.0.0.1:{free_port_block(1)}"  # no scheduler: the agent serves, waiting to join
+    args = agent_main.parse_args([*site, "--scheduler", nobody, "--worker-url", workers.urls[0]])
+
+    async def broken(*_args, **_kwargs) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(SiteAgentService, "_relay", broken)
+    serving = asyncio.ensure_future(agent_main.serve(args))
+    upstream = Upstream()
+    try:
+        with capture_logs() as logs:
+            failure: BaseException | None = None
+            for _ in range(100):  # until the agent serves
+                stream = upstream.start("s", f"127.0.0.1:{port}", wire.GenerateRequest("r", 4, {}, "hi"), _ignore)
+                try:
+                    async with asyncio.timeout(10):
+                        await stream.first
+                except UpstreamFailed as exc:
+                    failure = exc
+                except FederationError:  # not serving yet
+                    pass
+                finally:
+                    stream.close()
+                if failure is not None:
+                    break
+                await asyncio.sleep(0.1)
+        assert failure is not None and "internal error (RuntimeError)" in str(failure), failure
+        assert any(e["event"] == "generate.unexpected_error" for e in logs)
+        assert not serving.done()
+    finally:
+        await upstream.close()
+        os.kill(os.getpid(), signal.SIGTERM)  # the agent's own stop
+        try:
+            async with asyncio.timeout(30):
+                await serving
+        finally:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            workers.stop()
