@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import dataclasses
 import importlib
+import importlib.util
 import json
 import queue
 import signal
@@ -52,6 +53,11 @@ MEASURES = {
     "drill": ("federation.drills.run", "inject a fault under load and measure what it cost"),
     "fuzz": ("federation.fuzz", "send generated hostile requests while valid traffic flows"),
 }
+
+# What those commands import from the `tools` extra (pyproject.toml), which the runtime processes
+# and `fedctl up` never need: without it they stop before they start anything.
+TOOLS_EXTRA = "inference-federation[tools]"
+TOOL_MODULES = ("hypothesis", "matplotlib", "mlperf_loadgen", "sglang_router", "tqdm")
 
 CA_DIR = Path("federation-ca")  # `fedctl ca`'s directory unless --dir says another
 KEYS_FILE = Path("federation-keys.json")  # `fedctl keys`' file unless --file says another
@@ -155,8 +161,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for command, (module, text) in MEASURES.items():
         measure = sub.add_parser(command, help=text)
         if command == given:  # see MEASURES
+            _need_tools(command)
             importlib.import_module(module).add_arguments(measure)
     return p.parse_args(argv)
+
+
+def _need_tools(command: str) -> None:
+    """Exit 2, saying which extra to install, when the tools' packages are not installed."""
+    missing = [m for m in TOOL_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        print(
+            f"fedctl {command}: needs the tools extra ({', '.join(missing)} not installed): "
+            f"pip install '{TOOLS_EXTRA}' (from a checkout: pip install -e '.[tools]')",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
