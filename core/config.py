@@ -38,7 +38,7 @@ sites:
   - {name: us-mi355x, region: us-west-2, gpu: mi355x, gpus: 16, agent_port: 50062, metrics_port: 9462}
 """
 
-GPUS = ("mi300x", "mi355x")
+GpuName = Literal["mi300x", "mi355x"]
 
 
 class ConfigError(ValueError):
@@ -183,7 +183,7 @@ class _Link(_Section):
 class _Site(_Section):
     name: StrictStr
     region: StrictStr
-    gpu: Literal[GPUS]
+    gpu: GpuName
     gpus: _POSITIVE_INT
     agent_port: _PORT
     worker_port: _PORT | None = None  # first port of the emulated workers; None: any free block
@@ -209,7 +209,7 @@ class _File(_Section):
     links: list[_Link] = []
     sites: Annotated[list[_Site], Field(min_length=1)]
     timings: Timings = Timings()
-    recipes: dict[Literal[GPUS], Recipe] = {}
+    recipes: dict[GpuName, Recipe] = {}
 
 
 def parse(text: str, source: str = "config") -> Config:
@@ -259,7 +259,7 @@ def parse(text: str, source: str = "config") -> Config:
         scheduler_replicas=file.scheduler.replicas,
         scheduler_metrics_port=file.scheduler.metrics_port,
         timings=file.timings,
-        recipes={**DEFAULT_RECIPES, **file.recipes},
+        recipes={**DEFAULT_RECIPES, **{str(gpu): recipe for gpu, recipe in file.recipes.items()}},
     )
     try:
         for site in config.sites:

@@ -14,6 +14,7 @@ def configure(level: str = "info") -> None:
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    tail: list[structlog.typing.Processor]
     if sys.stderr.isatty():
         tail = [structlog.dev.ConsoleRenderer()]
     else:  # a traceback (log.exception) becomes a structured field, not a lost `exc_info: true`

@@ -159,4 +159,9 @@ def wait_ready(child: Child, timeout_s: float = READY_TIMEOUT_S) -> Child:
             child.ready = event
             return child
     proc.kill()
-    raise StartFailed(f"{child.name} did not get ready (exit code {proc.wait()}): {' '.join(map(str, proc.args))}")
+    raise StartFailed(f"{child.name} did not get ready (exit code {proc.wait()}): {_command_line(proc)}")
+
+
+def _command_line(proc: subprocess.Popen[str]) -> str:
+    args = proc.args
+    return " ".join(map(str, args)) if isinstance(args, list | tuple) else str(args)

@@ -63,9 +63,9 @@ class Supervisor:
         return task
 
     def _ended(self, name: str, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or task.exception() is None:
+        exc = None if task.cancelled() else task.exception()
+        if exc is None:
             return
-        exc = task.exception()
         log.error("task.failed", task=name, exc_info=(type(exc), exc, exc.__traceback__))
         self.exit_code = EXIT_FAILED
         self.failed.set()

@@ -73,7 +73,9 @@ def _tokenizer() -> Any:
     if path is None:
         raise RuntimeError(f"bpe-openai at {package} has no compiled tokenizer (_bindings)")
     loader = ExtensionFileLoader("bpe_openai._bindings", str(path))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    assert spec is not None  # a loader given: always a spec
+    module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module.tokenizer_for_encoding("o200k_base")
 

@@ -86,24 +86,33 @@ class WorkDone:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
     def __add__(self, other: WorkDone) -> WorkDone:
-        return WorkDone(*(a + b for a, b in zip(_values(self), _values(other), strict=True)))
+        return self._plus(other, 1)
 
     def __sub__(self, other: WorkDone) -> WorkDone:
-        return WorkDone(*(a - b for a, b in zip(_values(self), _values(other), strict=True)))
+        return self._plus(other, -1)
+
+    def _plus(self, other: WorkDone, sign: int) -> WorkDone:
+        return WorkDone(
+            self.busy_s + sign * other.busy_s,
+            self.passes + sign * other.passes,
+            self.decode_seqs + sign * other.decode_seqs,
+            self.context_ktokens + sign * other.context_ktokens,
+            self.prefill_tokens + sign * other.prefill_tokens,
+            self.cached_tokens + sign * other.cached_tokens,
+        )
 
     def any_negative(self) -> bool:
-        return any(v < 0 for v in _values(self))
-
-
-def _values(work: WorkDone) -> tuple[float, ...]:
-    return (
-        work.busy_s,
-        work.passes,
-        work.decode_seqs,
-        work.context_ktokens,
-        work.prefill_tokens,
-        work.cached_tokens,
-    )
+        return (
+            min(
+                self.busy_s,
+                self.passes,
+                self.decode_seqs,
+                self.context_ktokens,
+                self.prefill_tokens,
+                self.cached_tokens,
+            )
+            < 0
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from core.cpu_clock import CpuCollector
@@ -23,7 +23,7 @@ class SitesCollector(Collector):
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         def gauge(name: str, doc: str, labels: tuple[str, ...] = ("site",)) -> GaugeMetricFamily:
             return GaugeMetricFamily(f"federation_scheduler_site_{name}", doc, labels=list(labels))
 

@@ -197,7 +197,7 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
             answer.error = exc.message  # after the first byte: an error event, then [DONE]
             return await out.end(sse(exc.body()))
         if isinstance(out, Collected):
-            response = _json(answer.body(time.monotonic() - started), headers=headers())
+            response: web.StreamResponse = _json(answer.body(time.monotonic() - started), headers=headers())
         else:
             if out.response is None:  # an answer with nothing to say (no tokens asked for)
                 await out.opened(answer.site)

@@ -197,10 +197,11 @@ class Generation:
             except UpstreamFailed as exc:
                 self._failed(decision.site, exc)
                 self._cached_before, self._cached_now = self._cached_before + self._cached_now, 0
-                request = self._continuation(exc)
-                if request is None:  # every token asked for was sent: only the finish was lost
+                continuation = self._continuation(exc)
+                if continuation is None:  # every token asked for was sent: only the finish was lost
                     self._deliver(self._finished_by_length(decision.site))
                     return
+                request = continuation
                 self.resumed += 1
                 log.warning(
                     "request.resuming",
@@ -250,7 +251,7 @@ class Generation:
         return await retrying(self._attempt, request)
 
     def _budget_spent(self, state: RetryCallState) -> bool:
-        return state.seconds_since_start - self._held_s >= self.config.retry_budget_s
+        return (state.seconds_since_start or 0.0) - self._held_s >= self.config.retry_budget_s
 
     def _count_retry(self, state) -> None:
         self.retries += 1

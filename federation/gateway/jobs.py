@@ -133,10 +133,12 @@ def completion_job(body: dict[str, Any], *, request_id: str, served_model: str, 
     req = request_models.parse(request_models.CompletionRequest, {k: v for k, v in body.items() if k not in _CHAT_ONLY})
     request_models.refuse_not_honoured(req)
     prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
+    ids: tuple[int, ...] = ()
     if isinstance(prompt, str) and prompt:
-        text, ids, encoded = prompt, (), _encode(prompt, context_tokens, "prompt")
+        text, encoded = prompt, _encode(prompt, context_tokens, "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        text, ids, encoded = "", tuple(prompt), prompt
+        ids = tuple(t for t in prompt if isinstance(t, int))
+        text, encoded = "", list(ids)
     else:
         raise BadRequest("`prompt` must be one non-empty string or one list of token ids", param="prompt")
     prompt_tokens = len(encoded)
@@ -161,8 +163,9 @@ def generate_job(body: dict[str, Any], *, request_id: str, served_model: str, co
     """SGLang's native /generate: its shape checked here, its sampling ranges by the worker
     (with SGLang's own messages). A `rid` is the request's id, as X-Request-Id is."""
     req = request_models.parse(request_models.GenerateRequest, body)
+    ids: tuple[int, ...] = ()
     if req.text:
-        encoded, ids, text = _encode(req.text, context_tokens, "text"), (), req.text
+        encoded, text = _encode(req.text, context_tokens, "text"), req.text
     elif req.input_ids:
         encoded, ids, text = req.input_ids, tuple(req.input_ids), ""
     else:

@@ -76,7 +76,7 @@ class Limiter:
             )
         now = time.time()
         with self._transaction() as db:
-            waits = []
+            waits: list[tuple[str, int, float]] = []
             if limits.max_concurrent and self._running(db, key) >= limits.max_concurrent:
                 waits.append(("max_concurrent", limits.max_concurrent, CONCURRENCY_RETRY_S))
             levels = {}

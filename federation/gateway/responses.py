@@ -296,7 +296,8 @@ class Answer:
                 self._ids_json += (b"," if self._ids_json else b"") + orjson.dumps(chunk.output_ids)[1:-1]
             final = chunk.finish_reason is not None
             meta = orjson.dumps(self.meta_info(time.monotonic() - started if final else None))
-            return b'data: {"text":"%b","output_ids":[%b],"meta_info":%b}\n\n' % (self._text_json, self._ids_json, meta)
+            parts = (b'data: {"text":"', self._text_json, b'","output_ids":[', self._ids_json, b'],"meta_info":', meta)
+            return b"".join((*parts, b"}\n\n"))
         if self._responses is not None:
             return self._responses.pieces(self._pieces, self._piece_items)
         if self._reader is not None:

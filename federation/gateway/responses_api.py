@@ -10,6 +10,7 @@ Nothing is stored: each request carries its whole conversation (as with `store: 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
@@ -214,7 +215,7 @@ class ResponseEvents:
         begun = self.response("in_progress")
         return self._event("response.created", response=begun) + self._event("response.in_progress", response=begun)
 
-    def pieces(self, pieces: list[tuple[str, str]], items: list[int]) -> bytes:
+    def pieces(self, pieces: Sequence[tuple[str, str]], items: list[int]) -> bytes:
         """Events for the pieces the latest chunk added, each for the item it belongs to (the
         answer's items already hold them)."""
         out = []
@@ -308,7 +309,9 @@ def _item(item: Any, status: str, empty: bool = False) -> dict[str, Any]:
             "status": status,
         }
     if item.kind == "content":
-        content = [] if empty else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        content: list[dict[str, Any]] = (
+            [] if empty else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        )
         return {"id": item.id, "type": "message", "role": "assistant", "status": status, "content": content}
     return {
         "id": _item_id(item),

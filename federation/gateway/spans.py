@@ -15,12 +15,14 @@ followed (its sampled flag must not decide what the federation records).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
 from typing import NamedTuple
 
 from opentelemetry import context, trace
 from opentelemetry.trace import Link, Span, SpanKind
+from opentelemetry.util.types import AttributeValue
 
 from core import tracing, wire
 from core.errors import NoCapacity, TooBusy
@@ -33,7 +35,7 @@ ATTEMPT = "gateway.attempt"
 
 class RequestSpan(NamedTuple):
     span: Span
-    token: object  # the context it was made current with, detached when it ends
+    token: contextvars.Token[context.Context]  # the context it was made current with, detached when it ends
 
 
 def request_started(
@@ -132,7 +134,7 @@ def start_at_site(
     tracer = tracing.tracer()
     if tracer is None:
         return upstream.start(decision.site, decision.agent_address, request, deliver, flow)
-    attributes = {
+    attributes: dict[str, AttributeValue] = {
         tracing.REQUEST_ID: request.request_id,
         tracing.SITE: decision.site,
         "federation.agent": decision.agent_address,

@@ -161,7 +161,8 @@ class _Call:
                 await self._wake.wait()
                 self._wake.clear()
                 while self._starts or self._cancels:
-                    starts, size = [], 0
+                    starts: list[tuple[int, wire.GenerateRequest]] = []
+                    size = 0
                     while self._starts and (not starts or size < runtime.GENERATE_COMMAND_BYTES):
                         number, request = self._starts.popleft()
                         starts.append((number, request))

@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
@@ -288,7 +289,8 @@ async def _serve_joined(
     if waits:  # ready to be joined: serving, not yet probed or reporting
         runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=False, **announced)
         log.info("agent.waiting_to_join", site=args.site, agent=address)
-    await asyncio.wait([stop, gate.schedulers], return_when=asyncio.FIRST_COMPLETED)
+    joined: list[asyncio.Future[Any]] = [stop, gate.schedulers]
+    await asyncio.wait(joined, return_when=asyncio.FIRST_COMPLETED)
     reporter: ReportFeed | None = None
     if not stop.done():
         # Launched workers are still loading: the site registers now (joining), and again with

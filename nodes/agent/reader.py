@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
@@ -72,8 +72,9 @@ class AgentLink(asyncio.Protocol):
     # ---- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
-        self._transport.set_write_buffer_limits(high=HIGH_WATER_BYTES)
+        stream = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
+        self._transport = stream
+        stream.set_write_buffer_limits(high=HIGH_WATER_BYTES)
         self._beat()
 
     def _beat(self) -> None:

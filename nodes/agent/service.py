@@ -8,6 +8,7 @@ coalesced in time and across generations. One watcher bounds every worker call's
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from dataclasses import dataclass
@@ -85,6 +86,11 @@ class _Held:
     counted: int = 0
 
 
+def _forget(running: dict[int, asyncio.Task[None]], stream: int, _task: asyncio.Task[None]) -> None:
+    """A generation ended: its stream number is free."""
+    running.pop(stream, None)
+
+
 class SiteAgentService(wire.SiteAgentServicer):
     def __init__(
         self,
@@ -146,7 +152,7 @@ class SiteAgentService(wire.SiteAgentServicer):
                         continue
                     task = asyncio.ensure_future(spans.generation(self._generate, self.site, req, record))
                     running[stream] = task
-                    task.add_done_callback(lambda _, n=stream: running.pop(n, None))
+                    task.add_done_callback(functools.partial(_forget, running, stream))
                 for stream in command.cancels:
                     if stream in running:
                         running[stream].cancel()

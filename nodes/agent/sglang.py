@@ -123,7 +123,8 @@ async def server_info(session: aiohttp.ClientSession, url: str, timeout_s: float
     states = info.get("internal_states")
     effective = states[0].get("effective_max_running_requests_per_dp") if isinstance(states, list) and states else None
     limit = effective if isinstance(effective, int) else info.get("max_running_requests")
-    dp = info.get("dp_size") if isinstance(info.get("dp_size"), int) else 1
+    dp_size = info.get("dp_size")
+    dp = dp_size if isinstance(dp_size, int) else 1
     model_path = info.get("model_path") or ""
     return WorkerInfo(
         incremental=bool(info.get("incremental_streaming_output", False)),

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from opentelemetry.trace import SpanKind, Tracer, use_span
+from opentelemetry.util.types import AttributeValue
 
 from core import tracing, wire
 from nodes.agent.relay import Relayed
@@ -42,7 +43,11 @@ async def _generation_in_span(
     tracer: Tracer, generate: Generate, site: str, req: wire.GenerateRequest, record: Relayed
 ) -> None:
     parent = tracing.parent_from({"traceparent": req.traceparent}) if req.traceparent else None
-    attributes = {tracing.REQUEST_ID: req.request_id, tracing.SITE: site, "federation.prompt_tokens": req.prompt_tokens}
+    attributes: dict[str, AttributeValue] = {
+        tracing.REQUEST_ID: req.request_id,
+        tracing.SITE: site,
+        "federation.prompt_tokens": req.prompt_tokens,
+    }
     span = tracer.start_span(GENERATE, parent, SpanKind.SERVER, attributes)
     with use_span(span, record_exception=False, set_status_on_exception=False):
         try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any, Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -141,8 +141,9 @@ class WorkerCall(asyncio.Protocol):
     # ---- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
-        self._transport.write(self._request)
+        stream = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
+        self._transport = stream
+        stream.write(self._request)
 
     def data_received(self, data: bytes) -> None:
         self.answered = True
@@ -233,6 +234,7 @@ class WorkerCall(asyncio.Protocol):
             if isinstance(status, int) and 400 <= status < 500:  # SGLang's refusal of the request itself
                 raise WorkerRejected(str(finish.get("message") or f"refused the request ({status})"))
             text, ids, completion = "", [], self._relayed
+            assert meta is not None  # the finish came from it
         elif meta is None or text is None or ids is None or meta.completion_tokens is None:
             raise ValueError("an event without its text, output_ids, meta_info or count, and not an error")
         else:

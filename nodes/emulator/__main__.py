@@ -143,7 +143,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="close every port and reset connections after this many seconds",
     )
-    args, args.ignored = p.parse_known_args(argv)
+    args, ignored = p.parse_known_args(argv)
+    args.ignored = ignored
     if args.profile is None:
         p.error(f"say the GPU to emulate: --profile, or ${GPU_ENV}")
     if args.schedule_policy not in SCHEDULE_POLICIES:

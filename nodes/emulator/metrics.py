@@ -171,7 +171,8 @@ class _Histogram:
         self.total += value * weight
 
     def buckets(self) -> list[tuple[str, float]]:
-        out, running = [], 0
+        out: list[tuple[str, float]] = []
+        running = 0
         for bound, n in zip(self.bounds, self.counts, strict=False):  # counts ends with +Inf
             running += n
             out.append((repr(float(bound)), running))
@@ -206,7 +207,7 @@ class WorkerMetrics:
         self.evicted_tokens = 0
         self.eviction_seconds = _Histogram(EVICTION_BUCKETS_S)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self)  # type: ignore[arg-type]
+        self.registry.register(self)
 
     def _for(self, seq: Sequence) -> _PerStream:
         return self.by_stream["true" if seq.streaming else "false"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from datetime import date
-from typing import Any
+from typing import Any, get_args
 
 from aiohttp import web
 
@@ -145,7 +145,7 @@ def _chat_prompt_ids(body: dict[str, Any]) -> list[int]:
         content = m.get("content")
         if content is not None and not isinstance(content, str | list):
             raise _type_error(f"messages.{i}.content", str, content)
-        role = m["role"] if m["role"] in ("system", "developer", "user", "assistant", "tool") else "user"
+        role: harmony.Role = m["role"] if m["role"] in get_args(harmony.Role) else "user"
         rendered.append(harmony.Turn(role, _message_text(content), function=m.get("name") or "tool"))
     effort = body.get("reasoning_effort") or "medium"
     if effort not in harmony.EFFORTS:
