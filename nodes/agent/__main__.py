@@ -285,37 +285,39 @@ async def _serve_joined(
     ]
     stop = asyncio.ensure_future(runtime.stop_event().wait())
     failed = asyncio.ensure_future(supervisor.failed.wait())
-    waits = not gate.schedulers.done()
-    if waits:  # ready to be joined: serving, not yet probed or reporting
-        runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=False, **announced)
-        log.info("agent.waiting_to_join", site=args.site, agent=address)
-    joined: list[asyncio.Future[Any]] = [stop, gate.schedulers]
-    await asyncio.wait(joined, return_when=asyncio.FIRST_COMPLETED)
     reporter: ReportFeed | None = None
-    if not stop.done():
-        # Launched workers are still loading: the site registers now (joining), and again with
-        # its probe once one is up (`_probe_when_up`); others were probed before it registers.
-        measured = None if service.starting else await calibrate.probe(pool)
-        registration = _registration(args, service.address, served, measured)
-        reporter = ReportFeed(registration, service.next_report, args.join_credential, args.timings, args.tls)
-        reporter.start(list(gate.schedulers.result()))
-        if not waits:  # ready once reporting, as it was started to be
-            runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=True, **announced)
-        supervisor.essential("agent.report", reporter.feed_forever())
-        if service.starting:
-            supervisor.essential("agent.probe_when_up", _probe_when_up(args, pool, service, reporter, served))
-        await asyncio.wait([stop, failed], return_when=asyncio.FIRST_COMPLETED)
-    log.info("agent.stopping", site=args.site)
-    for task in (*tasks, stop, failed):
-        task.cancel()
-    await asyncio.gather(*tasks, stop, failed, return_exceptions=True)
-    await supervisor.close()
-    if reporter is not None:
-        await asyncio.to_thread(reporter.stop)
-    await server.stop(args.timings.shutdown_grace_s)
-    await service.close()
-    if metrics is not None:
-        await metrics.cleanup()
+    try:  # stopped, failed or cancelled: everything below is stopped in turn
+        waits = not gate.schedulers.done()
+        if waits:  # ready to be joined: serving, not yet probed or reporting
+            runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=False, **announced)
+            log.info("agent.waiting_to_join", site=args.site, agent=address)
+        joined: list[asyncio.Future[Any]] = [stop, gate.schedulers]
+        await asyncio.wait(joined, return_when=asyncio.FIRST_COMPLETED)
+        if not stop.done():
+            # Launched workers are still loading: the site registers now (joining), and again with
+            # its probe once one is up (`_probe_when_up`); others were probed before it registers.
+            measured = None if service.starting else await calibrate.probe(pool)
+            registration = _registration(args, service.address, served, measured)
+            reporter = ReportFeed(registration, service.next_report, args.join_credential, args.timings, args.tls)
+            reporter.start(list(gate.schedulers.result()))
+            if not waits:  # ready once reporting, as it was started to be
+                runtime.announce_ready(site=args.site, agent=address, workers=urls, joined=True, **announced)
+            supervisor.essential("agent.report", reporter.feed_forever())
+            if service.starting:
+                supervisor.essential("agent.probe_when_up", _probe_when_up(args, pool, service, reporter, served))
+            await asyncio.wait([stop, failed], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        log.info("agent.stopping", site=args.site)
+        for task in (*tasks, stop, failed):
+            task.cancel()
+        await asyncio.gather(*tasks, stop, failed, return_exceptions=True)
+        await supervisor.close()
+        if reporter is not None:
+            await asyncio.to_thread(reporter.stop)
+        await server.stop(args.timings.shutdown_grace_s)
+        await service.close()
+        if metrics is not None:
+            await metrics.cleanup()
     return supervisor.exit_code
 
 
