@@ -6,9 +6,11 @@ something raises inside it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import psutil
 import pytest
@@ -19,8 +21,10 @@ from core.errors import FederationError
 from core.processes import free_port_block
 from core.settings import SchedulerTimings
 from federation.drills.faults import poll_until
+from federation.gateway import metrics as gateway_metrics
 from federation.gateway.upstream import SiteStream, Upstream
 from nodes.agent import __main__ as agent_main
+from nodes.agent.pool import WorkerPool
 from nodes.agent.service import SiteAgentService
 from nodes.emulator.launch import launch
 from scheduler.service import SchedulerService
@@ -119,43 +123,21 @@ def _ignore(_stream: SiteStream, _delta: wire.TokenDelta) -> None:
     pass
 
 
-@pytest.mark.timeout(120)
-async def test_an_unexpected_error_in_a_generation_fails_it_at_once_as_the_sites(monkeypatch) -> None:
-    """A bug inside the agent's generation (here its relay raises what no handler expects): the
-    request ends within seconds with the site's failure, which the gateway resumes or retries
-    elsewhere, instead of waiting out its 1,900-s deadline; the agent serves on."""
+@contextlib.asynccontextmanager
+async def _agent_in_process() -> AsyncIterator[str]:
+    """A real agent (not yet joined: no scheduler answers) over one emulated worker, served in
+    this test's loop so that a test can make its parts raise; yields its address."""
     workers = launch(["--profile", "mi355x", "--workers", "1", "--speed", "20"])
     port = free_port_block(1)
     site = ["--insecure", "--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "1", "--port", str(port)]
-    nobody = f"127.0.0.1:{free_port_block(1)}"  # no scheduler: the agent serves, waiting to join
-    args = agent_main.parse_args([*site, "--scheduler", nobody, "--worker-url", workers.urls[0]])
-
-    async def broken(*_args, **_kwargs) -> None:
-        raise RuntimeError("a bug")
-
-    monkeypatch.setattr(SiteAgentService, "_relay", broken)
-    serving = asyncio.ensure_future(agent_main.serve(args))
-    upstream = Upstream()
+    nobody = f"127.0.0.1:{free_port_block(1)}"
+    serving = asyncio.ensure_future(
+        agent_main.serve(agent_main.parse_args([*site, "--scheduler", nobody, "--worker-url", workers.urls[0]]))
+    )
     try:
-        with capture_logs() as logs:
-            failure: BaseException | None = None
-            for _ in range(100):  # until the agent serves
-                stream = upstream.start("s", f"127.0.0.1:{port}", wire.GenerateRequest("r", 4, {}, "hi"), _ignore)
-                try:
-                    async with asyncio.timeout(10):
-                        await stream.first
-                except FederationError as exc:  # the agent's failure, or not serving yet
-                    failure = exc
-                finally:
-                    stream.close()
-                if failure is not None and "internal error" in str(failure):
-                    break
-                await asyncio.sleep(0.1)
-        assert failure is not None and "internal error (RuntimeError)" in str(failure), failure
-        assert any(e["event"] == "generate.unexpected_error" for e in logs)
-        assert not serving.done()
+        yield f"127.0.0.1:{port}"
+        assert not serving.done(), serving.result()
     finally:
-        await upstream.close()
         serving.cancel()  # as a stop: the agent's server, tasks and sessions are closed in turn
         try:
             async with asyncio.timeout(30):
@@ -164,3 +146,108 @@ async def test_an_unexpected_error_in_a_generation_fails_it_at_once_as_the_sites
             for sig in (signal.SIGTERM, signal.SIGINT):  # its stop_event()'s, on this loop
                 asyncio.get_running_loop().remove_signal_handler(sig)
             workers.stop()
+
+
+async def _generate(upstream: Upstream, address: str, max_new_tokens: int = 4) -> BaseException | None:
+    """One generation through the agent: None once answered, else what failed it."""
+    request = wire.GenerateRequest(f"r{time.monotonic_ns()}", 4, {"max_new_tokens": max_new_tokens}, "hi")
+    stream = upstream.start("s", address, request, _ignore)
+    try:
+        async with asyncio.timeout(10):
+            await stream.done
+        return None
+    except (FederationError, asyncio.CancelledError) as exc:  # `done` is cancelled when `first` fails
+        try:
+            stream.first.result()
+        except FederationError as first:
+            return first
+        return exc
+    finally:
+        stream.close()
+
+
+@pytest.mark.timeout(120)
+async def test_an_unexpected_error_in_a_generation_fails_it_at_once_as_the_sites(monkeypatch) -> None:
+    """A bug inside the agent's generation (here its relay raises what no handler expects): the
+    request ends within seconds with the site's failure, which the gateway resumes or retries
+    elsewhere, instead of waiting out its 1,900-s deadline; the agent serves on."""
+
+    async def broken(*_args, **_kwargs) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(SiteAgentService, "_relay", broken)
+    upstream = Upstream()
+    try:
+        with capture_logs() as logs:
+            async with _agent_in_process() as address:
+                for _ in range(100):  # until the agent serves
+                    failure = await _generate(upstream, address)
+                    if failure is not None and "internal error" in str(failure):
+                        break
+                    await asyncio.sleep(0.1)
+    finally:
+        await upstream.close()
+    assert failure is not None and "internal error (RuntimeError)" in str(failure), failure
+    assert any(e["event"] == "generate.unexpected_error" for e in logs)
+
+
+def _raising_once(real: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """`real`, except that its first run raises at once."""
+    runs = 0
+
+    async def run(*args: object) -> None:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            raise RuntimeError("a bug")
+        await real(*args)
+
+    return run
+
+
+@pytest.mark.timeout(120)
+async def test_the_agents_worker_checks_and_call_watch_restart_after_raising(monkeypatch) -> None:
+    """The loops that check the workers' health and bound each call's waits both raise on their
+    first run: each is logged and started again, and the agent then serves (its worker found
+    healthy by the restarted checks)."""
+    monkeypatch.setattr(WorkerPool, "check_forever", _raising_once(WorkerPool.check_forever))
+    monkeypatch.setattr(SiteAgentService, "watch_calls", _raising_once(SiteAgentService.watch_calls))
+    upstream = Upstream()
+    try:
+        with capture_logs() as logs:
+            async with _agent_in_process() as address:
+                for _ in range(100):
+                    failure = await _generate(upstream, address)
+                    if failure is None:
+                        break
+                    await asyncio.sleep(0.1)
+    finally:
+        await upstream.close()
+    assert failure is None, failure
+    restarted = {e["task"] for e in logs if e["event"] == "task.restarting"}
+    assert restarted == {"agent.check_workers", "agent.watch_calls"}, restarted
+
+
+async def test_the_gateways_metrics_flush_restarts_after_raising() -> None:
+    """The gateway's twice-a-second flush of its counters and gauges raises once (here reading
+    whether it is degraded): it is logged, started again, and the gauge is written after all."""
+    asked = 0
+
+    def degraded() -> bool:
+        nonlocal asked
+        asked += 1
+        if asked == 1:
+            raise RuntimeError("a bug")
+        return True
+
+    with capture_logs() as logs:
+        task = gateway_metrics.start_flushing(degraded, lambda: 0)
+        try:
+            for _ in range(100):
+                if asked >= 2 and gateway_metrics.DEGRADED._value.get() == 1:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            task.cancel()
+            gateway_metrics.DEGRADED.set(0)
+    assert asked >= 2 and [e["task"] for e in logs if e["event"] == "task.restarting"] == ["gateway.metrics_flush"]

@@ -24,7 +24,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from core import supervise, wire
+from core import wire
 from core.errors import BadRequest, FederationError, RateLimited, RequestTimeout, TooBusy, Unauthorized
 from core.mtls import INSECURE, Tls
 from core.policy import PREFIX_AWARE_POLICY
@@ -324,10 +324,7 @@ def build_app(config: GatewayConfig) -> web.Application:
         app[ADMISSION_KEY] = admission.Admission(app[SCHEDULERS_KEY], config.max_held)
         app[BREAKERS_KEY] = SiteBreakers(open_s=config.timings.circuit_open_s)
         app[WRITES_KEY] = WriteBatch()
-        flushing = supervise.restarting(
-            "gateway.metrics_flush",
-            lambda: metrics.flush_forever(lambda: app[SCHEDULERS_KEY].degraded, lambda: app[ADMISSION_KEY].held),
-        )
+        flushing = metrics.start_flushing(lambda: app[SCHEDULERS_KEY].degraded, lambda: app[ADMISSION_KEY].held)
         yield
         flushing.cancel()
         await asyncio.gather(flushing, return_exceptions=True)

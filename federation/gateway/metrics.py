@@ -27,6 +27,7 @@ from prometheus_client import (
     multiprocess,
 )
 
+from core import supervise
 from core.cpu_clock import CpuClock
 
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -173,6 +174,11 @@ def flush_relayed() -> None:
     for site, count in RELAYED.items():
         OUTPUT_TOKENS.labels(site).inc(count)
     RELAYED.clear()
+
+
+def start_flushing(degraded: Callable[[], bool], held: Callable[[], int]) -> asyncio.Task[None]:
+    """`flush_forever`, restarted if it ever raises (core.supervise)."""
+    return supervise.restarting("gateway.metrics_flush", lambda: flush_forever(degraded, held))
 
 
 async def flush_forever(degraded: Callable[[], bool], held: Callable[[], int]) -> None:
