@@ -220,11 +220,6 @@ def parse(text: str, source: str = "config") -> Config:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
-    if "stream_chunk_ms" in raw:
-        raise ConfigError(
-            f"{source}: stream_chunk_ms is gone: emulated workers stream as SGLang does, an event every "
-            "`stream_interval` decode steps (1, the default, is an event per token)"
-        )
     try:
         file = _File.model_validate(raw)
     except pydantic.ValidationError as exc:

@@ -1,7 +1,6 @@
 """RouteStream, the one long-lived call on which a gateway process asks a scheduler replica for
 every route: answers by number, a refusal that ends only its own route, and a bound on what one
-message may ask (against a running federation's scheduler, over mutual TLS, as a gateway); and
-a replica older than it, asked with unary calls instead."""
+message may ask (against a running federation's scheduler, over mutual TLS, as a gateway)."""
 
 from __future__ import annotations
 
@@ -9,11 +8,8 @@ import grpc
 import pytest
 
 from core import runtime, wire
-from core.errors import NoCapacity
 from core.pki import Identity, Role
 from federation.embedded import Federation
-from federation.gateway.schedulers import Schedulers
-from scheduler.service import SchedulerService
 
 KR, US = "kr-mi300x", "us-mi355x"
 
@@ -68,30 +64,3 @@ def test_a_message_asking_more_routes_than_allowed_is_refused(shared_federation)
             list(call)
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details() == f"at most {runtime.ROUTE_CALLS_PER_MESSAGE} routes in one message"
-
-
-class _BeforeRouteStream(SchedulerService):
-    """The scheduler as it was before RouteStream: the generated servicer's own method answers
-    UNIMPLEMENTED, as a replica that does not know the method does."""
-
-    RouteStream = wire.SchedulerServicer.RouteStream
-
-
-@pytest.mark.timeout(60)
-async def test_a_replica_older_than_route_stream_is_asked_with_unary_calls(capfd) -> None:
-    server = grpc.aio.server()
-    wire.add_scheduler_to_server(_BeforeRouteStream("openai/gpt-oss-120b", {}), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    schedulers = Schedulers([f"127.0.0.1:{port}"])
-    try:
-        for _ in range(2):  # the first finds the stream unknown; the next goes straight to Route
-            with pytest.raises(NoCapacity) as refused:
-                await schedulers.route(wire.RouteRequest("older", 100, 10))
-            # Route's own answer (no site has registered): a unary call reached the replica.
-            assert refused.value.message == "no site available: no site is ready to serve"
-    finally:
-        await schedulers.close()
-        await server.stop(None)
-    said = capfd.readouterr()
-    assert (said.out + said.err).count("route_stream.unimplemented") == 1

@@ -43,7 +43,7 @@ RESUMED = Counter(
 
 ROUTE_CALLS = Counter(
     "federation_gateway_route_calls",
-    "Routes asked of scheduler replicas (each a RouteStream message, or a unary Route for an older replica): "
+    "Routes asked of scheduler replicas (each in a RouteStream message): "
     "kind=route commits a request, kind=dry_run only asks (latency mode).",
     ["kind"],
     registry=REGISTRY,

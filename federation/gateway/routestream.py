@@ -10,8 +10,7 @@ their answers come back by number.
 A route the scheduler cannot decide is answered with the status code Route would have ended
 with; the call goes on. A call that breaks fails every route waiting on it with the call's
 status, which the asker treats as it would a unary call's (another replica, or degraded mode);
-the next route opens a new call. A replica too old to serve RouteStream is asked with unary
-calls, as before it, so gateways and schedulers may be upgraded in either order.
+the next route opens a new call.
 """
 
 from __future__ import annotations
@@ -49,32 +48,11 @@ class RouteStream:
         self._wake = asyncio.Event()
         self._call: grpc.aio.StreamStreamCall | None = None
         self._tasks: tuple[asyncio.Task, ...] = ()
-        self._unary = False  # the replica serves no RouteStream: a unary Route per request
 
     async def route(
         self, request: wire.RouteRequest, timeout_s: float, trace_context: Sequence[tuple[str, str]] = ()
     ) -> wire.RouteDecision:
-        """The replica's decision; RouteFailed with its status, or DEADLINE_EXCEEDED after `timeout_s`.
-        A replica older than RouteStream (UNIMPLEMENTED) is asked with unary calls from then on."""
-        if not self._unary:
-            try:
-                return await self._streamed(request, timeout_s, trace_context)
-            except RouteFailed as exc:
-                if exc.code is not grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                if not self._unary:  # said once, though every route waiting on the call hears it
-                    log.warning("route_stream.unimplemented", why="a scheduler replica older than RouteStream")
-                self._unary = True
-        metadata = (("x-request-id", request.request_id), *trace_context)
-        try:
-            decided = await self._stub.Route(wire.route_request_to_pb(request), timeout=timeout_s, metadata=metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise RouteFailed(exc.code(), exc.details() or exc.code().name) from None
-        return wire.decision_from_pb(decided)
-
-    async def _streamed(
-        self, request: wire.RouteRequest, timeout_s: float, trace_context: Sequence[tuple[str, str]]
-    ) -> wire.RouteDecision:
+        """The replica's decision; RouteFailed with its status, or DEADLINE_EXCEEDED after `timeout_s`."""
         if self._call is None:
             self._open()
         number = next(self._numbers)
