@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Field, Strict
 from pydantic.dataclasses import dataclass
 
 Seconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]  # no "5" for 5, no true for 1
+Count = Annotated[int, Strict(), Field(ge=1)]
 _STRICT = ConfigDict(extra="forbid")
 
 
@@ -30,6 +31,9 @@ class SchedulerTimings:
     stall_tolerance_s: Seconds = 0.25  # a check later than this says the scheduler, not the site, was silent
     in_transit_limit_s: Seconds = 300.0  # a routed request never seen at its site is forgotten after this
     shutdown_grace_s: Seconds = 2.0  # in-flight RPCs get this long at shutdown
+    # Late checks skipped in a row (each trusting no silence: the reports may wait unread), at
+    # most; after these, whatever still has not reported is down however late the check.
+    max_skipped_checks: Count = 10
 
 
 @dataclass(frozen=True, slots=True, config=_STRICT)
@@ -56,6 +60,26 @@ class AgentTimings:
     restart_base_s: Seconds = 1.0
     restart_max_s: Seconds = 60.0
     worker_stop_s: Seconds = 10.0
+    connect_attempts: Count = 3  # a request whose worker never answered is tried on this many in all
+    failures_to_unhealthy: Count = 2  # health checks missed in a row: one is noise, two a sick worker
+    reporter_stop_s: Seconds = 5.0  # the reporter process is given this long to exit
+    # Reader processes (--readers): each writes at least every reader_beat_s, and one silent for
+    # reader_silent_s is hung and killed; one that died starts again after reader_restart_s,
+    # doubling while it cannot be started, to reader_restart_max_s; at shutdown each gets
+    # reader_stop_s to exit.
+    reader_beat_s: Seconds = 1.0
+    reader_silent_s: Seconds = 10.0
+    reader_restart_s: Seconds = 0.5
+    reader_restart_max_s: Seconds = 30.0
+    reader_stop_s: Seconds = 10.0
+
+    @pydantic.model_validator(mode="after")
+    def _ordered(self) -> AgentTimings:
+        if self.reader_silent_s <= 2 * self.reader_beat_s:
+            raise ValueError("reader_silent_s must exceed two reader_beat_s (a reader late by one beat is not hung)")
+        if self.reader_restart_max_s < self.reader_restart_s or self.restart_max_s < self.restart_base_s:
+            raise ValueError("a restart's longest wait must be at least its first")
+        return self
 
 
 @dataclass(frozen=True, slots=True, config=_STRICT)
@@ -72,7 +96,8 @@ class GatewayTimings:
     first_chunk_timeout_s: Seconds = 1900.0  # a site stream with no first chunk in this long has failed
     between_chunks_timeout_s: Seconds = 90.0  # and one silent this long between chunks
     stream_check_s: Seconds = 1.0  # how often the site streams' waits are checked
-    circuit_open_s: Seconds = 5.0  # a site that failed 3 requests in a row gets none for this long, then one trial
+    circuit_failures: Count = 3  # a site that failed this many requests in a row (in this process) ...
+    circuit_open_s: Seconds = 5.0  # ... gets none for this long, then one trial
     hold_check_s: Seconds = 0.1  # with no new state, the hold queue's head is weighed this often
     shutdown_grace_s: Seconds = 5.0  # open streams get this long at shutdown (fedctl waits 10 s)
 

@@ -25,7 +25,6 @@ log = structlog.get_logger("scheduler")
 
 # Checks skipped in a row for lag, at most: a scheduler lagging all the time (a flood of calls)
 # must still mark dead sites down, if later than it would idle.
-MAX_SKIPPED_CHECKS = 10
 NO_SITE = "no site is ready to serve"
 
 
@@ -67,13 +66,13 @@ class SchedulerService(wire.SchedulerServicer):
         """Mark silent sites down; runs for the life of the server. A check that comes late
         means this process was stalled (an Offline burst of Route calls): the reports that
         arrived meanwhile have not been read yet, so that check is skipped, not trusted (up to
-        MAX_SKIPPED_CHECKS in a row: after those, whatever still has not reported is down)."""
+        timings.max_skipped_checks in a row: after those, whatever still has not reported is down)."""
         checked_at, skipped = time.monotonic(), 0
         while True:
             await asyncio.sleep(self.timings.expiry_check_s)
             now = time.monotonic()
             lag_s, checked_at = now - checked_at - self.timings.expiry_check_s, now
-            if lag_s > self.timings.stall_tolerance_s and skipped < MAX_SKIPPED_CHECKS:
+            if lag_s > self.timings.stall_tolerance_s and skipped < self.timings.max_skipped_checks:
                 skipped += 1
                 log.warning("scheduler.stalled", lag_s=round(lag_s, 3))
                 continue

@@ -16,7 +16,7 @@ from core.errors import UpstreamFailed
 from core.processes import free_port_block, start_python
 from core.settings import AgentTimings
 from federation.gateway.upstream import SiteStream, Upstream
-from nodes.agent.pool import FAILURES_TO_UNHEALTHY, HEADROOM_MIN
+from nodes.agent.pool import HEADROOM_MIN
 from nodes.emulator.launch import launch
 
 RUNNING_LIMIT = 2
@@ -118,7 +118,7 @@ async def test_a_site_that_loses_every_worker_fails_its_queue_at_once() -> None:
         # Hung workers are given up by their health checks (each waits `health_timeout_s`); a bound
         # far under the first-token timeout the queue used to wait for.
         timings = AgentTimings(**QUICK_CHECKS)
-        assert waited_s < 4 * FAILURES_TO_UNHEALTHY * (timings.health_interval_s + timings.health_timeout_s)
+        assert waited_s < 4 * timings.failures_to_unhealthy * (timings.health_interval_s + timings.health_timeout_s)
     finally:
         for s in streams:
             s.close()

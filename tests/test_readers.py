@@ -25,12 +25,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from core import wire
 from core.errors import SiteWorkerFailed, UpstreamFailed
 from core.processes import Child, free_port_block, start_python
+from core.settings import AgentTimings
 from federation.gateway.upstream import SiteStream, Upstream
 from nodes.agent import worker_stream
 from nodes.agent.readers import (
     MAX_MESSAGE_BYTES,
     READER_MODULE,
-    SILENT_S,
     Frames,
     ReaderLost,
     ReaderPool,
@@ -39,6 +39,9 @@ from nodes.agent.readers import (
 from nodes.agent.sglang import WorkerFailed
 from nodes.emulator.launch import EmulatorProcess, launch
 from tests.conftest import until
+
+TIMINGS = AgentTimings()
+SILENT_S = TIMINGS.reader_silent_s
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +307,7 @@ async def test_an_event_that_cannot_be_carried_or_taken_fails_its_own_call_alone
     events the agent's side cannot take (its sink raises), one plain. The first two fail, each
     alone; the plain one gets all its tokens; the reader lives on."""
     runner, url = await _fake_worker()
-    pool = ReaderPool(1)
+    pool = ReaderPool(1, TIMINGS)
     await pool.open()
     try:
         got: dict[str, list[int]] = {"huge": [], "sink": [], "plain": []}
@@ -350,11 +353,11 @@ async def test_an_event_that_cannot_be_carried_or_taken_fails_its_own_call_alone
 
 @pytest.mark.timeout(60)
 async def test_a_hung_reader_is_killed_and_replaced() -> None:
-    """A reader stopped (SIGSTOP) while it holds a stream says nothing more: within SILENT_S and a
+    """A reader stopped (SIGSTOP) while it holds a stream says nothing more: within reader_silent_s and a
     beat the agent's side kills it, the stream fails as the reader's loss (not its worker's), and a
     new reader is started."""
     runner, url = await _fake_worker()
-    pool = ReaderPool(1)
+    pool = ReaderPool(1, TIMINGS)
     await pool.open()
     try:
         events: list[int] = []

@@ -19,6 +19,7 @@ from core.pki import GATEWAY
 from core.policy import POLICIES
 from core.settings import GatewayTimings, add_timings_argument
 from federation.gateway import metrics
+from federation.gateway.admission import MAX_HELD
 from federation.gateway.app import GatewayConfig, build_admin_app, build_app
 from federation.gateway.edge import EdgeLimits, EdgeSite, runner_options
 from federation.gateway.failover import FailoverConfig
@@ -49,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="latency mode: hold or refuse (429) requests no site can start within this (0: throughput mode)",
     )
-    p.add_argument("--max-held", type=int, default=10_000, help="requests held for a site in latency mode, at most")
+    p.add_argument("--max-held", type=int, default=MAX_HELD, help="requests held for a site in latency mode, at most")
     p.add_argument(
         "--retry-budget-s",
         type=runtime.positive_float,

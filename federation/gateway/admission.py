@@ -31,6 +31,7 @@ from core.errors import BadRequest, TooBusy
 from federation.gateway.schedulers import Schedulers
 
 BUDGET_HEADER = "X-TTFT-Budget-Ms"
+MAX_HELD = 10_000  # requests held at once by default (--max-held); more are refused with 429
 
 
 def budget_s(header: str | None, default_ms: float) -> float | None:

@@ -26,11 +26,12 @@ from aiohttp import web
 
 from core import wire
 from core.errors import BadRequest, FederationError, RateLimited, RequestTimeout, TooBusy, Unauthorized
+from core.gpus import MODEL_CONTEXT_TOKENS
 from core.mtls import INSECURE, Tls
 from core.policy import PREFIX_AWARE_POLICY
 from core.settings import GatewayTimings
 from federation.gateway import admission, jobs, metrics, spans
-from federation.gateway.admission import Admission
+from federation.gateway.admission import MAX_HELD, Admission
 from federation.gateway.edge import EdgeLimits
 from federation.gateway.failover import FailoverConfig, Generation, SiteBreakers
 from federation.gateway.keys import KeyLimits, Keys
@@ -47,9 +48,9 @@ log = structlog.get_logger("gateway")
 class GatewayConfig:
     scheduler_addresses: tuple[str, ...]  # the replicas, asked in this order
     model: str = "openai/gpt-oss-120b"
-    context_tokens: int = 131_072
+    context_tokens: int = MODEL_CONTEXT_TOKENS
     ttft_budget_ms: float = 0.0  # latency mode when > 0 (a request's X-TTFT-Budget-Ms overrides it)
-    max_held: int = 10_000  # requests held for a site that can meet their budget, at most
+    max_held: int = MAX_HELD  # requests held for a site that can meet their budget, at most
     failover: FailoverConfig = field(default_factory=FailoverConfig)
     policy: str = PREFIX_AWARE_POLICY  # what degraded mode decides with; a baseline's sends no prefix hashes
     rtt_s: dict[tuple[str, str], float] = field(default_factory=dict)  # and the round trips it weighs
@@ -322,7 +323,7 @@ def build_app(config: GatewayConfig) -> web.Application:
         )
         app[SCHEDULERS_KEY].start()
         app[ADMISSION_KEY] = admission.Admission(app[SCHEDULERS_KEY], config.max_held)
-        app[BREAKERS_KEY] = SiteBreakers(open_s=config.timings.circuit_open_s)
+        app[BREAKERS_KEY] = SiteBreakers(config.timings.circuit_failures, config.timings.circuit_open_s)
         app[WRITES_KEY] = WriteBatch()
         flushing = metrics.start_flushing(lambda: app[SCHEDULERS_KEY].degraded, lambda: app[ADMISSION_KEY].held)
         yield

@@ -62,8 +62,8 @@ class SiteBreakers:
     out every other request goes elsewhere. A trial that ends without a verdict (the client
     left, one worker broke) lets the next request be the trial."""
 
-    failures_to_open: int = 3
-    open_s: float = 5.0
+    failures_to_open: int  # GatewayTimings.circuit_failures
+    open_s: float  # GatewayTimings.circuit_open_s
     _failures: dict[str, int] = field(default_factory=dict)
     _opened_at: dict[str, float] = field(default_factory=dict)
     _trials: set[str] = field(default_factory=set)  # half-open sites whose one trial is out

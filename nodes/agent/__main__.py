@@ -225,7 +225,7 @@ async def _serve_site(args: argparse.Namespace, urls: list[str], session: aiohtt
     pool = WorkerPool(urls, session, args.timings, (own.model, own.tokenizer) if launched else None)
     address = f"{args.host}:{args.port}"
     gate = JoinGate(args.site, args.region, args.gpu, args.gpus, args.join_credential, args.scheduler or [])
-    readers = ReaderPool(args.readers) if args.readers else None
+    readers = ReaderPool(args.readers, args.timings) if args.readers else None
     if readers is not None:
         await readers.open()
     service = SiteAgentService(args.site, pool, session, gate, args.advertise or address, Guard(args.tls), readers)

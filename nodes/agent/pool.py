@@ -38,7 +38,6 @@ from nodes.agent.sglang import WorkerInfo, WorkerStats
 
 log = structlog.get_logger("agent.pool")
 
-FAILURES_TO_UNHEALTHY = 2  # one missed check is noise; two in a row is a sick worker
 # Requests a worker holds beyond its running limit: enough that a freed slot is refilled at
 # its next step, without waiting for the agent to hear of it and send another.
 HEADROOM_FRACTION = 0.02
@@ -245,7 +244,7 @@ class WorkerPool:
             worker.failures = 0
             return
         worker.failures += 1
-        if worker.healthy and worker.failures >= FAILURES_TO_UNHEALTHY:
+        if worker.healthy and worker.failures >= self.timings.failures_to_unhealthy:
             worker.healthy = False
             log.warning("worker.unhealthy", worker=worker.url, failures=worker.failures)
             self._fail_waiters_if_none_healthy()

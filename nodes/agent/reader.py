@@ -25,7 +25,6 @@ import structlog
 from core import runtime
 from nodes.agent import worker_stream
 from nodes.agent.readers import (
-    BEAT_S,
     CLOSE,
     DONE,
     ENDED,
@@ -58,7 +57,8 @@ class _Unheard:
 class AgentLink(asyncio.Protocol):
     """The reader's end of its socket pair: commands in, batched events out."""
 
-    def __init__(self) -> None:
+    def __init__(self, beat_s: float) -> None:
+        self._beat_s = beat_s
         self._frames = Frames()
         self._transport: asyncio.Transport | None = None
         self._out: list[list[Any]] = []
@@ -78,10 +78,10 @@ class AgentLink(asyncio.Protocol):
         self._beat()
 
     def _beat(self) -> None:
-        """An empty message every BEAT_S: the agent takes a silent reader for a hung one."""
+        """An empty message every beat: the agent takes a silent reader for a hung one."""
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(frame([]))
-            asyncio.get_running_loop().call_later(BEAT_S, self._beat)
+            asyncio.get_running_loop().call_later(self._beat_s, self._beat)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -226,7 +226,7 @@ def _ended_entry(call_id: int, exc: WorkerFailed | WorkerRejected) -> list[Any]:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    link = AgentLink()
+    link = AgentLink(args.beat_s)
     sock = socket.socket(fileno=args.fd)
     await asyncio.get_running_loop().create_connection(lambda: link, sock=sock)
     await link.closed
@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     p = argparse.ArgumentParser(prog="python -m nodes.agent.reader", description=__doc__)
     p.add_argument("--fd", type=int, required=True, help="this process's end of the agent's socket pair")
+    p.add_argument("--beat-s", type=runtime.positive_float, required=True, help="write at least this often")
     return runtime.run(serve, p.parse_args(argv))
 
 

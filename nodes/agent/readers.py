@@ -29,6 +29,7 @@ import msgspec
 import structlog
 
 from core.processes import PROJECT_ROOT
+from core.settings import AgentTimings
 from nodes.agent.sglang import WorkerFailed, WorkerRejected, WorkerUnreachable
 from nodes.agent.worker_stream import Heard, OnEvent, OnLogprobs
 
@@ -43,11 +44,6 @@ MAX_MESSAGE_BYTES = 64 * 1024**2  # a turn's events from thousands of streams ar
 START, CLOSE = 0, 1
 # A reader → the agent, many in one message: ([EVENT, call, text, ids, completion, prompt, finish, cached], ...).
 EVENT, LOGPROBS, DONE, ENDED = 0, 1, 2, 3
-RESTART_DELAY_S = 0.5  # a reader that died is started again after this (a crash loop stays slow)
-RESTART_MAX_DELAY_S = 30.0  # and, while it cannot be started, again at most this far apart
-BEAT_S = 1.0  # a reader writes at least this often, events or not
-SILENT_S = 10.0  # a reader silent this long is hung (stopped, or stuck in a loop): it is killed
-STOP_TIMEOUT_S = 10.0
 
 encode = msgspec.msgpack.Encoder().encode
 decode = msgspec.msgpack.Decoder().decode
@@ -197,8 +193,9 @@ class _ReaderLink(asyncio.Protocol):
 class ReaderPool:
     """`count` reader processes; each call goes to the one holding the fewest."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, timings: AgentTimings) -> None:
         self._count = count
+        self._timings = timings  # its reader_* waits
         self._links: list[_ReaderLink] = []
         self._procs: dict[_ReaderLink, asyncio.subprocess.Process] = {}
         self._tasks: set[asyncio.Future[None]] = set()  # its watcher, and the restarts under way
@@ -212,16 +209,18 @@ class ReaderPool:
         self._keep(asyncio.ensure_future(self._watch()))
 
     async def _watch(self) -> None:
-        """Kill a reader silent for SILENT_S (each writes every BEAT_S): a hung one would hold its
-        streams until their deadlines blamed their workers, and draw new ones as the least busy."""
+        """Kill a reader silent for reader_silent_s (each writes every reader_beat_s): a hung one
+        would hold its streams until their deadlines blamed their workers, and draw new ones as
+        the least busy."""
+        beat_s, silent_s = self._timings.reader_beat_s, self._timings.reader_silent_s
         while True:
-            due = time.monotonic() + BEAT_S
-            await asyncio.sleep(BEAT_S)
+            due = time.monotonic() + beat_s
+            await asyncio.sleep(beat_s)
             now = time.monotonic()
-            if now - due > BEAT_S:  # this loop was stalled itself: the readers' beats may wait unread
+            if now - due > beat_s:  # this loop was stalled itself: the readers' beats may wait unread
                 continue
             for link, proc in list(self._procs.items()):
-                if now - link.last_heard > SILENT_S and proc.returncode is None:
+                if now - link.last_heard > silent_s and proc.returncode is None:
                     log.error("reader.hung", pid=proc.pid, silent_s=round(now - link.last_heard, 1))
                     proc.kill()  # its link closes: its streams fail over, and it is started again
 
@@ -233,6 +232,7 @@ class ReaderPool:
         try:
             proc = await asyncio.create_subprocess_exec(
                 *(sys.executable, "-m", READER_MODULE, "--fd", str(theirs.fileno())),
+                *("--beat-s", str(self._timings.reader_beat_s)),
                 cwd=PROJECT_ROOT,
                 pass_fds=(theirs.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL,
@@ -269,7 +269,7 @@ class ReaderPool:
         """Start a reader in the dead one's place, trying again (less and less often) while it
         cannot be started: out of processes or descriptors for a while."""
         await dead.wait()
-        delay = RESTART_DELAY_S
+        delay = self._timings.reader_restart_s
         while not self._closed:
             await asyncio.sleep(delay)
             try:
@@ -277,7 +277,7 @@ class ReaderPool:
                 return
             except OSError as exc:
                 log.error("reader.restart_failed", error=str(exc), retry_in_s=delay * 2)
-                delay = min(delay * 2, RESTART_MAX_DELAY_S)
+                delay = min(delay * 2, self._timings.reader_restart_max_s)
 
     async def start(
         self,
@@ -316,13 +316,14 @@ class ReaderPool:
             task.cancel()
         for link in self._links:
             link.close()  # each reader reads EOF and exits
-        await asyncio.gather(*(_stop(proc) for proc in self._procs.values()), *tasks, return_exceptions=True)
+        stops = (_stop(proc, self._timings.reader_stop_s) for proc in self._procs.values())
+        await asyncio.gather(*stops, *tasks, return_exceptions=True)
 
 
-async def _stop(proc: asyncio.subprocess.Process) -> None:
+async def _stop(proc: asyncio.subprocess.Process, timeout_s: float) -> None:
     proc.terminate()
     try:
-        await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+        await asyncio.wait_for(proc.wait(), timeout_s)
     except TimeoutError:
         proc.kill()
         await proc.wait()

@@ -42,7 +42,7 @@ log = structlog.get_logger("agent.reporter")
 
 # The reporter's waits are AgentTimings'. A loop busy `loop_stall_limit_s` (5 s) is hung, not
 # busy: the longest stall seen under a 24 k-request burst on two cores was ~2 s.
-STOP_TIMEOUT_S = 5.0
+
 # A replica that refuses the site (its model, its credential, its certificate): an error, not a blip.
 REFUSED_CODES = (
     grpc.StatusCode.FAILED_PRECONDITION,
@@ -150,7 +150,7 @@ class ReportFeed:
         if self._conn is not None:
             self._conn.close()
         if self._process is not None:
-            self._process.join(STOP_TIMEOUT_S)
+            self._process.join(self.timings.reporter_stop_s)
             if self._process.is_alive():
                 self._process.kill()
 

@@ -24,7 +24,7 @@ from nodes.agent import sglang, spans, worker_stream
 from nodes.agent.delivered import DeliveredRate
 from nodes.agent.join import JoinGate
 from nodes.agent.metrics import AgentMetrics
-from nodes.agent.pool import FAILURES_TO_UNHEALTHY, NoHealthyWorker, Worker, WorkerPool
+from nodes.agent.pool import NoHealthyWorker, Worker, WorkerPool
 from nodes.agent.readers import ReaderLost, ReaderPool, RemoteCall
 from nodes.agent.relay import RelayCall, Relayed
 
@@ -34,7 +34,6 @@ log = structlog.get_logger("agent")
 # many minutes. Once tokens flow, a worker silent for a minute is broken, not busy.
 # A request whose worker never answered goes to another, up to this many tries in all (each
 # marks the worker it tried unhealthy until its health check passes).
-CONNECT_ATTEMPTS = 3
 # Generations one call may hold at once: a gateway process holds at most ~20 k open requests
 # (its file descriptors); far more from one caller is a fault or an attack, not load.
 MAX_STREAMS_PER_CALL = 100_000
@@ -182,7 +181,7 @@ class SiteAgentService(wire.SiteAgentServicer):
         bound = log.bind(request_id=req.request_id, site=self.site)
         outcome = "failed"
         try:
-            for attempt in range(1, CONNECT_ATTEMPTS + 1):
+            for attempt in range(1, self.timings.connect_attempts + 1):
                 worker = await self._acquire(expected, req.prefix_hashes)
                 try:
                     await spans.worker_call(
@@ -195,7 +194,7 @@ class SiteAgentService(wire.SiteAgentServicer):
                     # The worker never answered: another one takes the request, unseen by the client.
                     self.metrics.worker_unreachable.inc()
                     bound.warning("generate.worker_unreachable", attempt=attempt, error=str(exc))
-                    if attempt == CONNECT_ATTEMPTS:
+                    if attempt == self.timings.connect_attempts:
                         raise
         except sglang.WorkerRejected as exc:
             outcome = "refused"
@@ -290,7 +289,10 @@ class SiteAgentService(wire.SiteAgentServicer):
             # Given up by its health checks, or silent on every stream as long as one may be:
             # either way it is not running anything an abort could stop.
             silent_s = time.monotonic() - worker.last_event_at
-            hung = worker.failures >= FAILURES_TO_UNHEALTHY or silent_s > self.timings.between_events_timeout_s
+            hung = (
+                worker.failures >= self.timings.failures_to_unhealthy
+                or silent_s > self.timings.between_events_timeout_s
+            )
             if not isinstance(exc, ReaderLost):  # the agent's own reader died, not the worker
                 self.pool.mark_failed(worker)
             # A lost connection ended the request at the worker, and a hung worker learns it from
@@ -320,7 +322,7 @@ class SiteAgentService(wire.SiteAgentServicer):
             await asyncio.sleep(self.timings.call_check_s)
             now = time.monotonic()
             for call, worker in list(self._calls.items()):
-                if worker.failures >= FAILURES_TO_UNHEALTHY:
+                if worker.failures >= self.timings.failures_to_unhealthy:
                     call.fail(sglang.WorkerFailed("the worker stopped answering its health checks"))
                     continue
                 if call.last_event_at is None:
