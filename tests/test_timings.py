@@ -42,6 +42,14 @@ def test_a_wrong_timing_is_refused_at_start_with_its_name() -> None:
             ["federation.gateway", "--insecure", "--scheduler", "127.0.0.1:1", "--timings", '{"route_timout_s": 1}'],
             "route_timout_s",
         ),
+        (
+            ["nodes.agent", "--insecure", "--site", "s", "--timings", '{"reader_beat_s": 6.0}'],
+            "reader_silent_s must exceed two reader_beat_s",
+        ),
+        (
+            ["scheduler", "--insecure", "--timings", '{"max_skipped_checks": 0}'],
+            "max_skipped_checks: Input should be greater than or equal to 1",
+        ),
     ]
     for (module, *args), message in cases:
         done = subprocess.run(
