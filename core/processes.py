@@ -37,12 +37,20 @@ PORT_RANGE_ENV = "FEDERATION_PORT_RANGE"
 DEFAULT_PORT_RANGE = (20_000, 32_000)
 
 
+class PortRangeError(ValueError):
+    """PORT_RANGE_ENV is set to something that is not a range of ports."""
+
+
 def port_range() -> tuple[int, int]:
-    """The range free ports are picked from (PORT_RANGE_ENV, else DEFAULT_PORT_RANGE)."""
-    low, _, high = os.environ.get(PORT_RANGE_ENV, "").partition("-")
+    """The range free ports are picked from (PORT_RANGE_ENV, else DEFAULT_PORT_RANGE); a value
+    that is not LOW-HIGH within 1024-65535 is refused, not ignored."""
+    value = os.environ.get(PORT_RANGE_ENV, "")
+    if not value:
+        return DEFAULT_PORT_RANGE
+    low, _, high = value.partition("-")
     if low.isdigit() and high.isdigit() and 1024 <= int(low) < int(high) <= 65535:
         return int(low), int(high)
-    return DEFAULT_PORT_RANGE
+    raise PortRangeError(f"{PORT_RANGE_ENV}={value!r}: expected LOW-HIGH, 1024 <= LOW < HIGH <= 65535")
 
 
 def free_port_block(count: int, host: str = "127.0.0.1") -> int:

@@ -37,7 +37,7 @@ from core import credential, mtls, pki, runtime, wire
 from core.config import ConfigError, SiteConfig, load
 from core.gpus import PROFILES
 from core.policy import POLICIES
-from core.processes import StartFailed, free_port_block
+from core.processes import PortRangeError, StartFailed, free_port_block, port_range
 from federation import admin, control, status_view, watch
 from federation.throwaway_ca import operator_tls
 
@@ -525,6 +525,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        port_range()  # a bad FEDERATION_PORT_RANGE is said before anything starts
         if args.command in ("bench", "drill", "fuzz"):
             return cmd_measure(args)
         if args.command == "site":
@@ -536,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "dashboard":
             return cmd_dashboard(args)
         return cmd_up(args) if args.command == "up" else cmd_status(args)
-    except (ConfigError, pki.PkiError, credential.SecretFileError) as exc:
+    except (ConfigError, pki.PkiError, credential.SecretFileError, PortRangeError) as exc:
         print(f"fedctl: {exc}", file=sys.stderr)
         return 2
 

@@ -4,10 +4,19 @@ their own (tests/conftest.py), so that two cannot take the same port between a p
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
-from core.processes import DEFAULT_PORT_RANGE, PORT_RANGE_ENV, free_port_block, port_range
+from core.processes import (
+    DEFAULT_PORT_RANGE,
+    PORT_RANGE_ENV,
+    PROJECT_ROOT,
+    PortRangeError,
+    free_port_block,
+    port_range,
+)
 
 
 def test_this_worker_picks_from_its_own_slice() -> None:
@@ -20,7 +29,18 @@ def test_this_worker_picks_from_its_own_slice() -> None:
         assert low <= first and first + 2 <= high
 
 
-@pytest.mark.parametrize("value", ["", "junk", "30000-20000", "80-90", "20000-70000"])
-def test_a_range_that_makes_no_sense_is_the_default(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
-    monkeypatch.setenv(PORT_RANGE_ENV, value)
+def test_no_range_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PORT_RANGE_ENV, "")
     assert port_range() == DEFAULT_PORT_RANGE
+
+
+@pytest.mark.parametrize("value", ["junk", "30000-20000", "80-90", "20000-70000", "20000"])
+def test_a_range_that_makes_no_sense_is_refused_with_its_value(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """In the code, and by fedctl before it starts anything: exit 2, one line, no traceback."""
+    monkeypatch.setenv(PORT_RANGE_ENV, value)
+    with pytest.raises(PortRangeError, match=PORT_RANGE_ENV):
+        port_range()
+    done = subprocess.run(
+        [sys.executable, "-m", "federation.cli", "status"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and repr(value) in done.stderr, done.stderr
