@@ -128,6 +128,7 @@ class FlatRouter:
         else:
             args = ["--profile", site.gpu, "--workers", str(site.gpus), "--speed", str(c.speed)]
             args += ["--stream-interval", str(c.stream_interval), "--served-model-name", c.model]
+            args += ["--enable-cache-report"]  # as the federation's workers: the client sees cached tokens
             workers = launch(args, host=c.host, log=self.log)
             self.children.append(workers)
             urls = workers.urls
