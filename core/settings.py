@@ -42,7 +42,10 @@ class AgentTimings:
     health_interval_s: Seconds = 1.0  # each worker is checked this often
     health_timeout_s: Seconds = 5.0  # SGLang's /health runs a 1-token generation: slow under load, not dead
     connect_timeout_s: Seconds = 5.0  # a worker that does not accept a connection in this long is unreachable
-    first_token_timeout_s: Seconds = 1800.0  # a worker call with no first event in this long has failed
+    # A worker call with no first event in this long has failed: an Offline run can queue a
+    # request behind thousands, so a first token may take many minutes. Once tokens flow, a
+    # worker silent for between_events_timeout_s is broken, not busy.
+    first_token_timeout_s: Seconds = 1800.0
     between_events_timeout_s: Seconds = 60.0  # and one silent this long between events
     call_check_s: Seconds = 1.0  # how often the worker calls' waits are checked
     abort_timeout_s: Seconds = 5.0  # an /abort_request that takes longer is given up
@@ -60,7 +63,9 @@ class AgentTimings:
     restart_base_s: Seconds = 1.0
     restart_max_s: Seconds = 60.0
     worker_stop_s: Seconds = 10.0
-    connect_attempts: Count = 3  # a request whose worker never answered is tried on this many in all
+    # A request whose worker never answered is tried on this many in all, each worker it tried
+    # marked unhealthy until its health check passes.
+    connect_attempts: Count = 3
     failures_to_unhealthy: Count = 2  # health checks missed in a row: one is noise, two a sick worker
     reporter_stop_s: Seconds = 5.0  # the reporter process is given this long to exit
     # Reader processes (--readers): each writes at least every reader_beat_s, and one silent for

@@ -30,10 +30,6 @@ from nodes.agent.relay import RelayCall, Relayed
 
 log = structlog.get_logger("agent")
 
-# An Offline run can queue a request behind thousands at a site: its first token may take
-# many minutes. Once tokens flow, a worker silent for a minute is broken, not busy.
-# A request whose worker never answered goes to another, up to this many tries in all (each
-# marks the worker it tried unhealthy until its health check passes).
 # Generations one call may hold at once: a gateway process holds at most ~20 k open requests
 # (its file descriptors); far more from one caller is a fault or an attack, not load.
 MAX_STREAMS_PER_CALL = 100_000
