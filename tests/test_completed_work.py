@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from core import wire
-from federation.gateway.upstream import SiteStream, Upstream
+from federation.gateway.upstream import Deliver, SiteStream, Upstream
 from nodes.emulator.launch import launch
 from tests.test_readers import _agent
 
@@ -29,10 +29,12 @@ async def _completed(http: aiohttp.ClientSession, metrics_port: int) -> dict[str
     }
 
 
-async def _answer(upstream: Upstream, port: int, request: wire.GenerateRequest) -> None:
-    def deliver(stream: SiteStream, delta: wire.TokenDelta) -> None:
-        pass
+def _ignore(stream: SiteStream, delta: wire.TokenDelta) -> None:
+    pass
 
+
+async def _answer(upstream: Upstream, port: int, request: wire.GenerateRequest, deliver: Deliver = _ignore) -> None:
+    """One generation through the agent at `port`, to its end (60 s at most), each delta to `deliver`."""
     stream = upstream.start("s", f"127.0.0.1:{port}", request, deliver)
     try:
         async with asyncio.timeout(60):

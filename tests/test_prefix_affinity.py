@@ -13,6 +13,7 @@ from core import wire
 from core.prefixes import prefix_hashes
 from federation.gateway.upstream import SiteStream, Upstream
 from nodes.emulator.launch import launch
+from tests.test_completed_work import _answer
 from tests.test_readers import _agent
 
 
@@ -26,12 +27,7 @@ async def _worker_of(upstream: Upstream, port: int, name: str, ids: list[int]) -
 
     params = {"max_new_tokens": 8, "ignore_eos": True}
     request = wire.GenerateRequest(name, len(ids), params, input_ids=tuple(ids), prefix_hashes=prefix_hashes(ids))
-    stream = upstream.start("s", f"127.0.0.1:{port}", request, deliver)
-    try:
-        async with asyncio.timeout(60):
-            await stream.done
-    finally:
-        stream.close()
+    await _answer(upstream, port, request, deliver)
     return worker
 
 
