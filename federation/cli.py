@@ -81,6 +81,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="plaintext gRPC between its processes (default: mutual TLS under a CA made for the run)",
     )
     up.add_argument(
+        "--launch",
+        action="store_true",
+        help="each site's agent launches one emulated SGLang server per GPU from its recipe, as a real site "
+        "launches SGLang (default: one emulator process per site serves all its GPUs)",
+    )
+    up.add_argument(
         "--join-token-file",
         type=Path,
         default=None,
@@ -210,12 +216,19 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
+_NEXT_STEPS = """try next:
+  curl -s {endpoint}/chat/completions -H 'content-type: application/json' \\
+    -d '{{"model": "openai/gpt-oss-120b", "messages": [{{"role": "user", "content": "Hello"}}]}}'
+  fedctl status --watch          # the sites, their measured capacity and load, live
+  fedctl dashboard               # the same in a browser, at http://127.0.0.1:8070"""
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from federation.embedded import Federation  # here: the gateway's and agents' modules, not needed by the others
 
     config = load(args.config).with_overrides(port=args.port, speed=args.speed, policy=args.policy)
     token = credential.read_secret(args.join_token_file) if args.join_token_file else ""
-    federation = Federation(config, insecure=args.insecure, join_token=token, launch=True)
+    federation = Federation(config, insecure=args.insecure, join_token=token, launch=args.launch)
     jobs: queue.Queue = queue.Queue()
     controls = control.ControlServer(control.socket_path(config), _site_controls(federation, jobs))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops us like Ctrl-C, even mid start-up
@@ -224,7 +237,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         controls.start()
         endpoint = config.gateway_url + "/v1"
         runtime.announce_ready(endpoint=endpoint, sites=[s.name for s in config.sites], speed=config.speed)
-        print(f"federation ready: {endpoint}  (fedctl status; Ctrl-C stops it)", file=sys.stderr, flush=True)
+        print(
+            f"federation ready: {endpoint}  (Ctrl-C stops it)\n{_NEXT_STEPS.format(endpoint=endpoint)}",
+            file=sys.stderr,
+            flush=True,
+        )
         if federation.ca is not None:
             where = federation.ca.directory
             print(f"gRPC: mutual TLS under a CA made for this run, in {where}", file=sys.stderr, flush=True)
