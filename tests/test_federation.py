@@ -460,10 +460,26 @@ async def test_a_client_request_id_cannot_abort_anyone_else(federation, http: ai
     assert '"finish_reason":"length"' in (await twin.read()).decode()
 
 
+def test_the_readme_tour_chat_gives_reasoning_and_a_tool_call(federation) -> None:
+    """The README's first tour step, run as written (its endpoint made this federation's): the
+    official client gets the reasoning apart from the answer and a call of the offered tool."""
+    fed, _, _ = federation
+    readme = (PROJECT_ROOT / "README.md").read_text()
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "http://127.0.0.1:8080/v1" in code
+    code = code.replace("http://127.0.0.1:8080/v1", fed.ready["endpoint"])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    reasoning, call = out.splitlines()[:2]
+    assert reasoning.startswith("reasoning: ") and len(reasoning) > len("reasoning: ") + 10, out
+    name, arguments = call.removeprefix("tool call: ").split(" ", 1)
+    assert name == "get_weather" and isinstance(json.loads(arguments)["city"], str), out
+
+
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
-    """Ctrl-C on `fedctl up` stops the gateway, scheduler, agents and emulators, and exits 0."""
+    """Ctrl-C on `fedctl up --launch` (its sites' agents launching a worker process per GPU, as a
+    real site launches SGLang) stops the gateway, scheduler, agents and workers, and exits 0."""
     path, ports = _config(tmp_path, [("us-mi355x", "us-west-2", "mi355x")])
-    fed = start_python("fedctl up", "federation.cli", ["up", "--config", str(path)], timeout_s=90)
+    fed = start_python("fedctl up", "federation.cli", ["up", "--launch", "--config", str(path)], timeout_s=90)
     fed.proc.send_signal(signal.SIGINT)
     assert fed.proc.wait(30) == 0
     for port in [ports["gateway"], ports["scheduler"], *range(ports["us-mi355x"], ports["us-mi355x"] + GPUS)]:
