@@ -39,9 +39,14 @@ def _fedctl_drill(tmp_path: Path, scenario: str, *args: str) -> subprocess.Compl
 
 
 def _report(tmp_path: Path, proc: subprocess.CompletedProcess) -> dict:
+    """The drill's JSON, once its run is checked: exit 0, a PNG, and its summary table last on
+    stderr, saying what the JSON says was lost."""
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "drill.png").stat().st_size > 10_000
-    return json.loads((tmp_path / "drill.json").read_text())
+    report = json.loads((tmp_path / "drill.json").read_text())
+    table = proc.stderr[proc.stderr.rindex(f"fedctl drill {report['scenario']} ({report['site']})") :]
+    assert f"{report['requests_failed']} failed, {report['lost']} lost" in table, table
+    return report
 
 
 def _drill(tmp_path: Path, scenario: str, *args: str, scheduler: str = "replicas: 2") -> dict:
@@ -140,6 +145,8 @@ def test_a_site_that_joins_under_load_takes_its_share_and_fails_nothing(tmp_path
         (["add-site", "--config", "docs/configs/small-federation.yaml"], "no `links` entry between eu-central-1"),
         (["cpu-starve", "--endpoint", "http://127.0.0.1:9"], "needs --inject CMD"),
         (["cpu-starve", "--starve-ms", "100"], "must be shorter than --starve-period-ms"),
+        (["add-site", "--quick"], "--quick runs its own small federation"),
+        (["site-crash", "--quick", "--endpoint", "http://127.0.0.1:9", "--inject", "true"], "not with add-site"),
     ],
 )
 def test_a_drill_that_cannot_be_run_says_why(args: list[str], said: str) -> None:

@@ -142,8 +142,15 @@ DEFAULTS = {
 }
 
 
-def defaults_for(scenario: str) -> DrillDefaults:
-    return DEFAULTS.get(scenario, DrillDefaults())
+# `--quick`, for a first look (the README's tour): the brownout's small shape, with a load that
+# fills the sites' slots without a long queue, so that an answer lives seconds and the whole
+# drill takes about two minutes. Its numbers say that nothing is lost, not what the federation
+# delivers: the defaults measure that.
+QUICK = DrillDefaults(speed=0.5, open_requests=600, windows_s=(30.0, 15.0, 45.0), gpus={"kr-mi300x": 2, "us-mi355x": 1})
+
+
+def defaults_for(scenario: str, quick: bool = False) -> DrillDefaults:
+    return QUICK if quick else DEFAULTS.get(scenario, DrillDefaults())
 
 
 # The site hit (added, for add-site); any other drill: the remote one.
@@ -226,6 +233,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"GPU speed (default {DRILL_SPEED} for the embedded default, site-brownout 0.5; 1 for --endpoint)",
     )
     p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a two-minute drill on 2 MI300X + 1 MI355X at half speed: shows the fault and that nothing is "
+        "lost (not add-site; the defaults measure the federation)",
+    )
+    p.add_argument(
         "--open-requests",
         type=runtime.positive_int,
         default=None,
@@ -278,7 +291,7 @@ def drill_config(args: argparse.Namespace) -> Config:
     """The bench's slowed federation (on free ports, every site's workers on known ones), routing
     by its config's policy, with as many gateway processes as the open requests need (one for
     the usual 18,000)."""
-    gpus = defaults_for(args.scenario).gpus if args.config is None else None
+    gpus = defaults_for(args.scenario, args.quick).gpus if args.config is None else None
     base = bench_config(args.config, args.speed, None, args.stream_interval, gpus)
     return dataclasses.replace(base, gateway_processes=math.ceil(args.open_requests / GATEWAY_STREAMS_PER_PROCESS))
 
@@ -288,7 +301,7 @@ def main(args: argparse.Namespace) -> int:
     if refused:
         print(f"fedctl drill: {refused}", file=sys.stderr)
         return 2
-    defaults = defaults_for(args.scenario)
+    defaults = defaults_for(args.scenario, args.quick)
     if args.open_requests is None:
         args.open_requests = defaults.open_requests
     for name, default in zip(("warmup_s", "before_s", "after_s"), defaults.windows_s, strict=True):
@@ -301,14 +314,39 @@ def main(args: argparse.Namespace) -> int:
         print(f"fedctl drill: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, DrillRefused) else 1
     print(json.dumps(report, indent=2))
+    print(summary(report), file=sys.stderr)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 
+def summary(report: dict[str, Any]) -> str:
+    """The drill's outcome as a reader wants it first: what was lost, how fast the fault was
+    seen, what the federation delivered after it, and how true the capacity estimates stayed."""
+
+    def rate(key: str) -> str:
+        value = report.get(key)
+        return f"{value / 1000:,.1f} k tok/s" if value is not None else "-"
+
+    rows = [
+        ("requests", f"{report['requests_sent']:,} sent, {report['requests_failed']} failed, {report['lost']} lost"),
+        ("failed over", f"{report['resumed']:,} resumed mid-stream, {report['retries']:,} retried before a token"),
+        ("fault seen", f"{report['detection_s']} s" if report["detection_s"] is not None else "not seen"),
+        ("delivered", f"{rate('output_tokens_per_s_before')} before, {rate('output_tokens_per_s_after')} after"),
+        ("after / surviving", f"{report.get('after_over_surviving')}"),
+    ]
+    for site, error in sorted((report.get("capacity_error") or {}).items()):
+        rows.append((f"capacity error {site}", f"mean {error['mean']}, max {error['max']}"))
+    width = max(len(name) for name, _ in rows)
+    title = f"fedctl drill {report['scenario']} ({report['site']})"
+    return "\n".join([title, *(f"  {name:<{width}}  {value}" for name, value in rows)])
+
+
 def _refusal(args: argparse.Namespace) -> str | None:
     """Why these arguments cannot make a drill (None when they can)."""
+    if args.quick and (args.scenario == "add-site" or args.endpoint):
+        return "--quick runs its own small federation, with a site to hit: not with add-site or --endpoint"
     if args.scenario == "cpu-starve" and args.starve_ms >= args.starve_period_ms:
         return f"--starve-ms ({args.starve_ms:g}) must be shorter than --starve-period-ms ({args.starve_period_ms:g})"
     operator_only = [flag for flag in ("scheduler", "inject", "heal") if getattr(args, flag)]
@@ -326,7 +364,7 @@ def _refusal(args: argparse.Namespace) -> str | None:
 
 
 def _drill_embedded(args: argparse.Namespace, site: str) -> dict[str, Any]:
-    args.speed = args.speed or defaults_for(args.scenario).speed
+    args.speed = args.speed or defaults_for(args.scenario, args.quick).speed
     config = drill_config(args)
     _check_site(args, site, {s.name for s in config.sites})
     if args.scenario == "worker-loss":
