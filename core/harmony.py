@@ -83,7 +83,7 @@ def _unpacked(base: Path) -> Path:
 
 @cache
 def encoding() -> Any:
-    """The gpt-oss Harmony encoding (~0.2 s to load, once per process)."""
+    """The gpt-oss Harmony encoding (not cheap to load: once per process)."""
     os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(_vocab_dir())
     import openai_harmony as h  # after the vocabulary is in place: it is read at load
 
@@ -101,13 +101,14 @@ def render_chat(turns: Sequence[Turn], tools: Sequence[Tool], *, reasoning_effor
     instructions (as gpt-oss's chat template does); tools are declared under `functions`.
 
     The chat's free text (contents, instructions, a call's arguments, a tool message's function,
-    the words of a tool's description), each past `SHORT_TEXT` characters, reaches openai-harmony
-    as a placeholder and is tokenized by bpe-openai when spliced back (`_Placeholders`): harmony's
-    own BPE takes time quadratic in the length of a run without spaces and holds the GIL while it
-    does (32 k emoji: 17 s), so one request could stall every stream of the process that renders
-    it. The same ids either way (tests/test_harmony_render.py). A tool's schema stays harmony's to
-    render: the gateway bounds its size (federation/gateway/chat.py). PromptTooLong: a text past
-    what the tokenizer takes at once."""
+    the words of a tool's description), each past `SHORT_TEXT` characters, reaches
+    openai-harmony as a placeholder and is tokenized by bpe-openai when spliced back
+    (`_Placeholders`): harmony's own BPE takes time quadratic in the length of a run without
+    spaces and holds the GIL while it does (docs/SECURITY.md, "The edge"), so one request could
+    stall every stream of the process that renders it. The same ids either way
+    (tests/test_harmony_render.py). A tool's schema stays harmony's to render: the gateway
+    bounds its size (federation/gateway/chat.py). PromptTooLong: a text past what the tokenizer
+    takes at once."""
     import openai_harmony as h
 
     marks = _Placeholders()
@@ -144,7 +145,7 @@ def _conversation(h: Any, turns: Sequence[Turn], tools: Sequence[Tool], reasonin
 
 
 _WORD = re.compile(r"\S+")
-SHORT_TEXT = 32  # characters: a run this long costs harmony's BPE microseconds (~1 µs per 128-byte run)
+SHORT_TEXT = 32  # characters: a run this short is still cheap for harmony's quadratic BPE, not worth a placeholder
 _PLACEHOLDER = re.compile(r"q([0-9a-f]{16})x([0-9]+)q")  # compiled once: the nonce is matched, not built in
 
 
@@ -239,8 +240,8 @@ class OutputReader:
         self._parser: Any = h.StreamableParser(encoding(), h.Role.ASSISTANT)
         self._begun = False
         self._broken = False
-        # Kept here from the ids, not asked of the parser: its `state` costs ~75 µs per call,
-        # its `messages` grows with the answer.
+        # Kept here from the ids, not asked of the parser: its `state` is dear per call
+        # (docs/DATAPATH.md, "Chats"), its `messages` grows with the answer.
         self._header: list[int] | None = []  # ids of the message header being read; None in content
         self._message = 0  # index of the message being read
         self._call_message = -1  # index of the message that is the latest tool call
@@ -250,7 +251,7 @@ class OutputReader:
 
     def feed(self, ids: Iterable[int]) -> list[tuple[PieceKind, str]]:
         """What these ids add, as (kind, text) pieces, consecutive pieces of a kind merged;
-        a `call` piece's text is the function's name. ~2.5 µs per id."""
+        a `call` piece's text is the function's name. Its cost per id: docs/DATAPATH.md, "Chats"."""
         out: list[tuple[PieceKind, str]] = []
         kinds = self.token_kinds = []
         parser = self._parser

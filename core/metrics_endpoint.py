@@ -72,8 +72,8 @@ def _caller(request: web.Request) -> Identity | None:
 
 
 def build_app(registry: CollectorRegistry, tls: Tls) -> web.Application:
-    # Imported here: a scheduler speaks only gRPC, and aiohttp is a tenth of a second of its
-    # start (on the path of every federation's) when no --metrics-port asks for this.
+    # Imported here: a scheduler speaks only gRPC, and importing aiohttp is a noticeable part of
+    # its start (on the path of every federation's) when no --metrics-port asks for this.
     from aiohttp import web
 
     async def metrics(request: web.Request) -> web.Response:

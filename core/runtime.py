@@ -44,13 +44,13 @@ GENERATE_COMMAND_BYTES = 4 * 1024**2
 # would let one message hold a million.
 ROUTE_CALLS_PER_MESSAGE = 256
 
-# gRPC clients: after a peer was unreachable (a partition, a restart), reconnect within a
-# second of it coming back. grpc-core's default backoff grows to 120 s, so a site healed
-# after a 30-s partition rejoined only ~16 s later in the partition drill. The "minimum
-# reconnect backoff" is grpc-core's minimum connection-attempt timeout, not a delay: at 200 ms
-# every attempt to a site across an emulated WAN (a 1.2-s round trip at drill speed) or to a
-# busy agent timed out before the server's SETTINGS frame, and a site that joined under load
-# failed its first requests until the gateways opened its circuit.
+# gRPC clients: after a peer was unreachable (a partition, a restart), reconnect within a second
+# of it coming back. grpc-core's default backoff grows to 120 s, so a site healed after a 30-s
+# partition rejoined long after the heal in the partition drill (docs/BENCHMARKS.md, "Failover
+# drills"). The "minimum reconnect backoff" is grpc-core's minimum connection-attempt timeout,
+# not a delay: at 200 ms every attempt to a site across an emulated WAN (a 1.2-s round trip at
+# drill speed) or to a busy agent timed out before the server's SETTINGS frame, and a site that
+# joined under load failed its first requests until the gateways opened its circuit.
 GRPC_CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
@@ -63,10 +63,10 @@ GRPC_CHANNEL_OPTIONS = (
 # second with nothing read a ping goes out, and one unanswered for the ping timeout fails every
 # call on the connection. grpc-core (1.85) waits on a ping already out (a flow-control probe,
 # sent while data flows) for `grpc.http2.ping_timeout_ms`, 60 s by default, whatever
-# `keepalive_timeout_ms` says: measured through a blackholed link, calls were never failed
-# without it, and with it at 1 s they failed in 1.3-1.5 s. The timeout must exceed the link's
-# round trip, or every probe fails a healthy connection. Servers accept pings this often
-# (GRPC_SERVER_OPTIONS).
+# `keepalive_timeout_ms` says: through a blackholed link, calls were never failed without it,
+# and with it they failed soon after it ran out (docs/BENCHMARKS.md, "The silent drills"). The
+# timeout must exceed the link's round trip, or every probe fails a healthy connection. Servers
+# accept pings this often (GRPC_SERVER_OPTIONS).
 def keepalive_options(ping_timeout_s: float = 1.0) -> tuple[tuple[str, int], ...]:
     timeout_ms = max(1000, round(ping_timeout_s * 1000))
     return (
@@ -78,10 +78,10 @@ def keepalive_options(ping_timeout_s: float = 1.0) -> tuple[tuple[str, int], ...
     )
 
 
-# A process with ~20 k open streams holds millions of objects; CPython's default thresholds
-# then run a full collection every few seconds, each a pause of a second or more that stops
-# every thread (heartbeats included). Young collections stay frequent, full ones rare, and
-# what start-up built (modules, the tokenizer) is frozen out of them.
+# A process with ~20 k open streams holds millions of objects; CPython's default thresholds then
+# run full collections often, each a long pause that stops every thread (heartbeats included;
+# docs/BENCHMARKS.md, "Measured, not declared"). Young collections stay frequent, full ones
+# rare, and what start-up built (modules, the tokenizer) is frozen out of them.
 GC_THRESHOLDS = (50_000, 20, 100)
 GC_PAUSE_LOGGED_S = 0.2  # a pause this long can make a 1 s heartbeat late: worth a line
 

@@ -63,10 +63,11 @@ class PromptTooLong(ValueError):
 
 @cache
 def _tokenizer() -> Any:
-    """bpe-openai's compiled o200k_base tokenizer (~0.1 s to build), loaded from its extension
-    module alone. `import bpe_openai` runs its tiktoken-style wrapper, which builds the Python
-    tables of three vocabularies at import (~1.2 s of CPU on this VM), and every emulated worker
-    and every gateway process tokenizes: `fedctl up` starts 32 of them."""
+    """bpe-openai's compiled o200k_base tokenizer, loaded from its extension module alone.
+    `import bpe_openai` runs its tiktoken-style wrapper, which builds the Python tables of three
+    vocabularies at import, most of the package's import time (docs/BENCHMARKS.md, "a start
+    without bpe-openai's wrapper"), and every emulated worker and every gateway process
+    tokenizes: `fedctl up --launch` starts 32 of them."""
     package = _bpe_openai_dir()
     found = [package / f"_bindings{suffix}" for suffix in EXTENSION_SUFFIXES]
     path = next((f for f in found if f.is_file()), None)
@@ -96,8 +97,8 @@ def packed_vocabulary() -> Path:
 
 @cache
 def _token_byte_values() -> list[bytes]:
-    """Every o200k_base token's bytes, by id, from the vocabulary bpe-openai ships (~0.3 s, on
-    first use: only logprobs and building the synthetic stream ask)."""
+    """Every o200k_base token's bytes, by id, from the vocabulary bpe-openai ships (read on first
+    use, not at start: only logprobs and building the synthetic stream ask)."""
     lines = gzip.decompress(packed_vocabulary().read_bytes()).split()  # "<base64 bytes> <rank>" a line
     ranked = {int(rank): base64.b64decode(raw) for raw, rank in zip(lines[::2], lines[1::2], strict=True)}
     return [ranked.get(i, b"") for i in range(max(ranked) + 1)]
@@ -187,8 +188,8 @@ class SyntheticText:
 
 @cache
 def synthetic_text(max_window: int = 140_000) -> SyntheticText:
-    """The stream, from this machine's cache once a process of ours has built it: building takes
-    ~0.65 s of CPU, and `fedctl up` starts 32 emulated workers that each need it at start."""
+    """The stream, from this machine's cache once a process of ours has built it: building it
+    costs CPU, and `fedctl up --launch` starts 32 emulated workers that each need it at start."""
     try:
         path = cachedir.user_cache_dir() / f"synthetic-{_synthetic_key(max_window)}.bin"
     except OSError:  # this module's source unreadable: nothing to name the stream's file by

@@ -45,7 +45,7 @@ from core import runtime
 
 log = structlog.get_logger("linkproxy")
 
-READ_SIZE_BYTES = 64 * 1024  # large reads keep CPU per MB low; several MB/s costs a few % of a core
+READ_SIZE_BYTES = 64 * 1024  # large reads keep CPU per MB low
 # Bytes one direction may hold between reading and writing. At 65 ms one-way this still allows
 # ~60 MB/s per connection (more than one TCP stream gets over a real WAN) and bounds memory when
 # the far side stops reading: past it we stop reading, and TCP pushes back on the sender.

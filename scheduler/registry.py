@@ -25,12 +25,11 @@ from scheduler.workload import WorkloadMix
 log = structlog.get_logger("scheduler.registry")
 
 # Routes still in transit are those the agent has not taken yet. Under an Offline burst on a
-# busy machine thousands of calls wait in the gateways' and the agent's gRPC queues, for over
-# a minute (measured: 13 k calls reached the US site up to 60 s after their routes). Each
-# report acknowledges the calls taken by request id, so a slow route stays counted however
-# slow it is. A route still unacknowledged after this long never reached the site (its
-# gateway died on the way): it stops counting, so such phantoms cannot pile up
-# (SchedulerTimings.in_transit_limit_s).
+# busy machine thousands of calls wait in the gateways' and the agent's gRPC queues, long after
+# their routes (docs/BENCHMARKS.md, "The 0.971 explained"). Each report acknowledges the calls
+# taken by request id, so a slow route stays counted however slow it is. A route still
+# unacknowledged after this long never reached the site (its gateway died on the way): it stops
+# counting, so such phantoms cannot pile up (SchedulerTimings.in_transit_limit_s).
 REFUSALS_KEPT = 50  # enough for an operator to see every site that failed to join today
 
 

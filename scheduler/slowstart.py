@@ -1,14 +1,14 @@
 """Slow start: a site that joins (or comes back) earns its slots by decoding what it is given.
 
-An empty site with free slots is where every new request would start soonest, so without a
-limit it takes all of them at once, prefills them all before decoding any (SGLang runs
-prefill first) and delivers nothing for seconds while each of them waits for its first token
-(the partition drill: the healed site took 1,601 requests at once and produced ~0 tok/s for
-~4 GPU-s). So routing may fill only a window of a new site's slots. The window starts at what
-the calibration probe proved (its batch on every worker), or at what the site already runs,
-and doubles each time the site shows it decodes at least half of it: its generation rate at
-least half the window's share of its measured capacity. Growth follows what the site proves,
-not a timer; once the window reaches the site's slots, slow start is over.
+An empty site with free slots is where every new request would start soonest, so without a limit
+it takes all of them at once, prefills them all before decoding any (SGLang runs prefill first)
+and delivers nothing for seconds while each of them waits for its first token (as the healed
+site did in the partition drill: docs/BENCHMARKS.md, "Failover drills"). So routing may fill
+only a window of a new site's slots. The window starts at what the calibration probe proved (its
+batch on every worker), or at what the site already runs, and doubles each time the site shows
+it decodes at least half of it: its generation rate at least half the window's share of its
+measured capacity. Growth follows what the site proves, not a timer; once the window reaches the
+site's slots, slow start is over.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ one); the hub is kept offline. SGLang imports torchvision, which bench_serving n
 which cannot install beside the CPU torch: scripts/sglang_stubs stands in for it.
 
 bench_serving's command line (its `cli_main`, what `python -m sglang.bench_serving` runs) is run
-once per backend in this one process, so its import (~15 s of CPU: torch, transformers and much
-of SGLang) is paid once; with `--warmup-requests 0`, since the gateway would count the warm-up
-request that bench_serving leaves out. bench_serving's report goes to stderr; stdout has one JSON
-line per backend: requests completed, its output tokens, its count of the received text
+once per backend in this one process, so its import (many seconds of CPU: torch, transformers
+and much of SGLang) is paid once; with `--warmup-requests 0`, since the gateway would count the
+warm-up request that bench_serving leaves out. bench_serving's report goes to stderr; stdout has
+one JSON line per backend: requests completed, its output tokens, its count of the received text
 re-tokenized, and the rise of the gateway's counter meanwhile. Exits 1 when a backend's output
 tokens differ from the gateway's. (Its OpenAI backends take the count from the stream's `usage`
 and, when there is none, as the chat stream has unless asked, from the lengths they requested:

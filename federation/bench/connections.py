@@ -3,8 +3,8 @@ keep them, and read in the transport's callbacks.
 
 Why not aiohttp's client, which the bench used before: it wakes the reading task and reads a
 line for every chunk of every stream. At SGLang's pace (a chunk per ~100 ms per stream, 1,536
-streams) that cost the load generator ~30 µs of CPU per chunk: ~0.45 of this machine's two
-cores, the largest user in the data path bench, beside the gateway and agents it measures. Here
+streams) that made the load generator the largest CPU user in the data path bench, beside the
+gateway and agents it measures (docs/BENCHMARKS.md, "The load generator at half the CPU"). Here
 httptools (llhttp) parses the framing as the bytes arrive and hands each line of the body to the
 request's reader, with no task woken per chunk (the way `nodes/agent/worker_stream.py` reads
 the workers). aiohttp's session stays for the calls that are not streams (`/v1/models`).

@@ -60,8 +60,9 @@ WINDOW_S = 60.0
 RAMP_S = 20.0  # the open requests start over this long (half the warm-up at most), not all in one burst
 ROUTER_POLICY = "round_robin"
 # A phase whose window kept the machine's cores this busy measured a machine out of CPU: every
-# hop then waits its turn (the hop overhead is queueing), and this VM's per-event costs rise with
-# it. Its figures are reported, flagged, not comparable with an unsaturated run's.
+# hop then waits its turn (the hop overhead is queueing), and its per-event costs are not those
+# of a machine with CPU to spare (docs/DATAPATH.md, "Measured"). Its figures are reported,
+# flagged, not comparable with an unsaturated run's.
 SATURATED_SHARE = 0.9
 
 

@@ -33,7 +33,7 @@ from core.processes import PROJECT_ROOT, Child, StartFailed, free_port_block, st
 from nodes.emulator.launch import launch
 
 ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware")
-READY_TIMEOUT_S = 60.0  # same bound as our own processes; the router itself is ready in < 1 s
+READY_TIMEOUT_S = 60.0  # same bound as our own processes; the router itself is ready far sooner
 POLL_INTERVAL_S = 0.1
 PROBE_TIMEOUT_S = 2.0  # one GET to the router while it starts; it answers loopback calls in ms
 LOG_TAIL_CHARS = 2000  # of the router's log, quoted when it fails to start
@@ -42,9 +42,10 @@ _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # the router colours its log even 
 # connections to workers (15 with 2 workers, 20 with 4); generous for 32.
 ROUTER_SPARE_FDS = 256
 # Each open stream holds a client and a worker descriptor, and the router's HTTP client keeps
-# finished requests' worker connections idle in its pool: an Offline run with 9,872 open (two
-# per stream) ran out of descriptors, opened every circuit breaker and got 19,113 "no available
-# workers" answers. A third descriptor per stream leaves the pool room.
+# finished requests' worker connections idle in its pool: an Offline run budgeted at two per
+# stream ran out of descriptors, opened every circuit breaker and got thousands of "no available
+# workers" answers (docs/BENCHMARKS.md, "Offline, 30,000 samples"). A third descriptor per
+# stream leaves the pool room.
 FDS_PER_STREAM = 3
 # The router's Rust hub client reads HF_ENDPOINT (not HF_HUB_OFFLINE): pointed at a closed
 # loopback port, its tokenizer download fails at once and never leaves the host.

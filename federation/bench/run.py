@@ -50,11 +50,11 @@ from federation.embedded import Federation
 from scheduler.capacity import prior_capacity_tok_s
 from scheduler.workload import Workload
 
-# 32 emulated GPUs at SGLang's per-token pace, their clients and every hop of the federation on
-# two cores: every token costs ~85 µs of CPU across the processes (`--datapath`, emulator and
-# clients included), so two cores carry ~23 k tokens/s at most; a twentieth of real speed
-# (~13 k tokens/s from the embedded default) keeps them about half busy, the CPU out of the
-# measurement (see docs/BENCHMARKS.md).
+# 32 emulated GPUs at SGLang's per-token pace, their clients and every hop of the federation
+# share this machine's cores, and every token costs CPU in each of those processes; a twentieth
+# of real speed (~13 k tokens/s from the embedded default) leaves the cores room, the CPU out of
+# the measurement (what a token costs and what the cores carry: docs/BENCHMARKS.md, "SGLang's
+# per-token pace").
 BENCH_SPEED = 0.05
 DEFAULT_REQUESTS = 20_000
 BENCH_GATEWAY_PROCESSES = 2  # 24 k open requests need two processes' file descriptors

@@ -8,10 +8,10 @@ Sustained Offline keeps the endpoint loaded for a set time instead (every finish
 replaced at once) and measures the tokens delivered over a window after a warm-up: what
 MLPerf's Offline ratio tends to as runs grow, without runs of an hour (see `window_rate`).
 
-Times are reported in GPU time: with the emulator slowed down (`--speed 0.25` runs every
-GPU 4× slower so that 32 of them fit on two cores) a wall-clock second is `speed` GPU
-seconds. Latencies are multiplied by `speed`, rates divided by it, so the numbers read as
-the real GPUs would deliver them; ratios (efficiency, shares) are the same either way.
+Times are reported in GPU time: with the emulator slowed down (`--speed 0.25` runs every GPU 4×
+slower, so that more of them fit on the machine's cores) a wall-clock second is `speed` GPU
+seconds. Latencies are multiplied by `speed`, rates divided by it, so the numbers read as the
+real GPUs would deliver them; ratios (efficiency, shares) are the same either way.
 """
 
 from __future__ import annotations

@@ -85,8 +85,8 @@ from federation.embedded import Federation
 from scheduler.workload import Workload
 
 # 32 emulated GPUs and ~18 k open streams at SGLang's per-token pace: at a twentieth of real
-# speed (~13 k tokens/s, ~85 µs of CPU each across the processes) they take about half of the 2
-# cores here, leaving room to fail over.
+# speed (~13 k tokens/s) they leave this machine's cores room to fail over (what each token
+# costs across the processes: docs/BENCHMARKS.md, "SGLang's per-token pace").
 DRILL_SPEED = 0.05
 # Short answers: requests end and new ones are routed all the time, so shares and recovery show
 # within seconds (MLPerf-length answers live minutes at a quarter speed).
@@ -98,18 +98,18 @@ DRILL_OPEN_REQUESTS = 18_000
 # or the federation would not need it to deliver the sum of its parts.
 ADD_SITE_OPEN_REQUESTS = 32_000
 GATEWAY_STREAMS_PER_PROCESS = 18_000  # each open request holds a socket; the fd limit is 20,000
-# Wall seconds of load before the fault, measured before it, and of load after it. The warm-up is
-# the ramp (half of it) and then an answer's lifetime at full load (~23 GPU-s at the US site,
+# Wall seconds of load before the fault, measured before it, and of load after it. The warm-up
+# is the ramp (half of it) and then an answer's lifetime at full load (~23 GPU-s at the US site,
 # ~470 s of wall time at DRILL_SPEED), so the window before sees the mix a long run would, not
 # the ramp's cohort. The window before spans ~25 passes of every worker (a pass at full batch is
-# ~2.4 s of wall time here), so its rate is not one pass's burst. The window after spans the
-# resume wave a fault sets off (the streams it cut re-prefill their prompts and what they had
-# said: ~2.5 GPU-s of the surviving GPUs' time, ~50 s of wall time, in which the federation
-# delivers about half its output) and five times that again, so that it measures what the
+# ~2.4 s of wall time at DRILL_SPEED), so its rate is not one pass's burst. The window after
+# spans the resume wave a fault sets off (the streams it cut re-prefill their prompts and what
+# they had said, while the federation delivers well below its capacity; the drills' timelines in
+# docs/BENCHMARKS.md show how long) and five times that again, so that it measures what the
 # federation delivers once failed over, not only that wave (docs/CAPACITY.md).
 DRILL_WINDOWS_S = (600.0, 60.0, 300.0)
 # add-site: the new site's share must converge and hold, which at a twentieth of real speed takes
-# minutes of wall time (measured: the share within 10 % ~430 s after the join); its acceptance
+# minutes of wall time (docs/BENCHMARKS.md, "A site joins under load"); its acceptance
 # (throughput_ratio, converge_s) is what the defaults run.
 ADD_SITE_WINDOWS_S = (700.0, 100.0, 700.0)
 
@@ -129,7 +129,7 @@ DEFAULTS = {
     # A slowed step is seen only once it outlasts a normal one, which at a twentieth of real
     # speed takes over a second of wall time (a full MI355X step with these answers is ~0.12 s
     # of GPU time). So the brownout runs the embedded default's shape at half speed (a step of
-    # ~0.24 s), with the GPUs two cores can emulate there (as `fedctl bench --datapath` and
+    # ~0.24 s), with the GPUs this machine can emulate there (as `fedctl bench --datapath` and
     # docs/configs/small-federation.yaml), every slot busy (1,536) and a queue.
     "site-brownout": DrillDefaults(
         speed=0.5, open_requests=2_000, windows_s=(120.0, 20.0, 60.0), gpus={"kr-mi300x": 2, "us-mi355x": 1}
@@ -387,7 +387,7 @@ def _drill_embedded(args: argparse.Namespace, site: str) -> dict[str, Any]:
 
 def _by_schedulers_clock(fault: Fault, fault_at: float, polled_s: float | None) -> float | None:
     """When the schedulers saw the fault: the poll sees it up to one state query late (each asks
-    every replica over a fresh channel, ~0.5 s under a drill's load), so the site's own clock
+    every replica over a fresh channel, slow under a drill's load), so the site's own clock
     (how long ago its status, or its healthy workers, changed) says when, bounded by the poll."""
     if polled_s is None:
         return None
@@ -455,7 +455,7 @@ def _check_workers(site: str, workers: int) -> None:
 
 def _drill(target: Target, args: argparse.Namespace, site: str) -> dict[str, Any]:
     # The workload once the drill is known to be possible: four samples per open request (the
-    # tokenizer's load and ~1 s a 72,000) are not spent on a refusal.
+    # tokenizer's load and tokenizing tens of thousands of prompts) are not spent on a refusal.
     output = dataclasses.replace(DRILL_OUTPUT_TOKENS, mean=args.output_mean)
     workload = WorkloadSpec(4 * args.open_requests, args.seed, MLPERF_LIKE_PROMPTS, output).samples()
     fault: Fault = SCENARIOS[args.scenario](site, target)

@@ -130,7 +130,8 @@ class Timeline:
     def first_time_at_least(self, level: float, hold_bins: int = 3) -> float | None:
         """Seconds after the fault until throughput averaged over `hold_bins` bins from then
         reached `level`. Averaged, not each bin: at drill speed a 1-s bin holds about one decode
-        step of each emulated GPU (0.05 GPU-s), so single bins swing by a third in steady state."""
+        step of each emulated GPU (0.05 GPU-s), so single bins swing widely even in steady state
+        (docs/BENCHMARKS.md, "The silent drills")."""
         for i in range(len(self.tokens) - hold_bins + 1):
             window = [self.gpu_rate(j) for j in range(i, i + hold_bins)]
             if self.start_s + i * BIN_S >= 0 and sum(window) / hold_bins >= level:

@@ -91,7 +91,8 @@ def chat(req: ChatRequest, *, today: str, max_chars: int, context_tokens: int) -
 def _check_schemas(tools: list[Tool]) -> None:
     """Tools' parameter schemas are rendered by openai-harmony's own tokenizer, whose time grows
     with the square of a run without spaces (core/harmony.py says why the rest of a chat is not):
-    bounded, the worst schemas cost ~0.2 s to render, and real ones (words, short names) far less."""
+    bounded, the worst schemas render in a fraction of a second (docs/SECURITY.md, "The edge"),
+    and real ones (words, short names) far faster."""
     strings = [s for t in tools for s in _strings(t.function.parameters, "tools")]  # nesting checked first
     text = "".join(json.dumps(t.function.parameters, ensure_ascii=False) for t in tools)
     if len(text) > MAX_SCHEMA_CHARS:

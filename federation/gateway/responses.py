@@ -11,10 +11,10 @@ content and tool calls (`OutputItem`), each piece its own delta. /generate's eve
 so far are kept and extended, not re-serialised per event.
 
 Chunks arrive in the upstream reader's turn, many requests' at once. Waking each request's
-handler to write its own chunk would cost a task switch per chunk per client, a third of the
-gateway's CPU per token at SGLang's pace; so a chunk's event is built at once and queued, and
-one call-soon pass after the reader's turn (`WriteBatch`) writes every client that has events
-waiting: one socket write per client per batch of deltas, no task woken.
+handler to write its own chunk would cost a task switch per chunk per client, a large share of
+the gateway's CPU per token at SGLang's pace; so a chunk's event is built at once and queued,
+and one call-soon pass after the reader's turn (`WriteBatch`) writes every client that has
+events waiting: one socket write per client per batch of deltas, no task woken.
 
 Once the response has begun (aiohttp has sent its headers, with chunked transfer encoding on
 HTTP/1.1), the body is written to the transport directly, framed as HTTP/1.1 chunks: aiohttp's

@@ -1,11 +1,11 @@
 """One scheduler replica's RouteStream call, shared by every route this gateway process asks it.
 
 Every request waits for its route before anything else happens to it, and a unary call is the
-dearest way to ask: measured with grpc.aio on this 2-core VM, loopback, a unary round trip took
-1.2 ms and ~1.2 ms of CPU across both ends; a message each way on a call already open, 0.4 ms
-and ~0.55 ms. So each replica gets one long-lived call: routes go out numbered (those that pile
-up while a message is written go together in the next, up to ROUTE_CALLS_PER_MESSAGE), and
-their answers come back by number.
+dearest way to ask: with grpc.aio a unary round trip costs more time and more CPU across both
+ends than a message each way on a call already open (docs/DATAPATH.md, "Before the first
+token"). So each replica gets one long-lived call: routes go out numbered (those that pile up
+while a message is written go together in the next, up to ROUTE_CALLS_PER_MESSAGE), and their
+answers come back by number.
 
 A route the scheduler cannot decide is answered with the status code Route would have ended
 with; the call goes on. A call that breaks fails every route waiting on it with the call's

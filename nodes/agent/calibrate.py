@@ -7,10 +7,10 @@ the declared GPU × count. A site declared MI355X whose GPUs run like MI300X is 
 weighted right from its first request, not after it has been overloaded.
 
 The probe times tokens as the agent reads them, so it is only as honest as the agent's loop: a
-loop held up (a collection, a burst of other work, the process stopped) reads the tokens of
-that time late and all at once, and once read 450 M tok/s. A ticker watches the loop while the
-probe runs; a request whose tokens were read across a stall longer than a small part of its
-span (STALL_FRACTION) is left out, and a probe whose every request was is run again, up to
+loop held up (a collection, a burst of other work, the process stopped) reads the tokens of that
+time late and all at once, at rates no GPU makes. A ticker watches the loop while the probe
+runs; a request whose tokens were read across a stall longer than a small part of its span
+(STALL_FRACTION) is left out, and a probe whose every request was is run again, up to
 PROBE_ATTEMPTS times, before the site joins on its prior. Once traffic flows, the estimate
 learns from the workers' own accounting instead (nodes/agent/accounting.py).
 """

@@ -3,11 +3,12 @@ the agent's one core.
 
 At SGLang's per-token pace reading the workers is most of the agent's CPU: a `recv`, its ACK,
 the HTTP framing and an event's decoding per token (`worker_stream`, docs/DATAPATH.md), and one
-Python process runs on one core. A site of more than ~4 MI355X makes more events than one core
-reads. With reader processes, each holds a share of the worker calls (`nodes/agent/reader.py`)
-and hands the events each turn of its loop gathered to the agent as one message, over a socket
-pair that only the two processes hold. The agent keeps everything else (the slots, the ledger,
-the relay, the deadlines), and pays per event only a decoded list and the relay's own work.
+Python process runs on one core. A site of more than a few MI355X makes more events than one
+core reads (docs/DATAPATH.md, "How far one process goes"). With reader processes, each holds a
+share of the worker calls (`nodes/agent/reader.py`) and hands the events each turn of its loop
+gathered to the agent as one message, over a socket pair that only the two processes hold. The
+agent keeps everything else (the slots, the ledger, the relay, the deadlines), and pays per
+event only a decoded list and the relay's own work.
 
 `ReaderPool.start` stands in for `worker_stream.start`, and its `RemoteCall` for `WorkerCall`:
 the service does not know which one it holds. A reader that dies fails its calls with

@@ -1,15 +1,15 @@
 """Keeps the site registered with every scheduler replica and streams its load to each.
 
 The reports leave from a process of their own. A scheduler declares a site down after 1 s
-without a report, and the agent's process can be stopped for longer than that while the site
-is healthy and working: a collection of its millions of objects (measured: 1.8 s under a
-burst of 3,600 resumed streams), or its event loop running gRPC's and uvloop's compiled code
-for long stretches without letting a reporting thread take the interpreter lock. So the
-agent's loop hands the reporter process a snapshot of its load every LOOP_TICK_S
-(`ReportFeed`; a thread of the agent writes it to the pipe, so a reporter that stops reading
-can never block the loop: snapshots not yet taken are merged into the next), and the reporter
-process (`_reporter_main`) sends the latest one to each replica on the replica's interval,
-from threads that share nothing with the busy agent.
+without a report, and the agent's process can be stopped for longer than that while the site is
+healthy and working: a collection of its millions of objects (as under the worker-loss drill's
+burst of resumed streams: docs/BENCHMARKS.md, "Failover drills"), or its event loop running
+gRPC's and uvloop's compiled code for long stretches without letting a reporting thread take the
+interpreter lock. So the agent's loop hands the reporter process a snapshot of its load every
+LOOP_TICK_S (`ReportFeed`; a thread of the agent writes it to the pipe, so a reporter that stops
+reading can never block the loop: snapshots not yet taken are merged into the next), and the
+reporter process (`_reporter_main`) sends the latest one to each replica on the replica's
+interval, from threads that share nothing with the busy agent.
 
 It stays honest about the agent: a snapshot older than LOOP_STALL_LIMIT_S means the agent's
 loop is hung, not busy, and the reports stop, so the schedulers see the site down. When the
@@ -41,7 +41,7 @@ from core.settings import AgentTimings
 log = structlog.get_logger("agent.reporter")
 
 # The reporter's waits are AgentTimings'. A loop busy `loop_stall_limit_s` (5 s) is hung, not
-# busy: the longest stall seen under a 24 k-request burst on two cores was ~2 s.
+# busy: the stalls the drills' bursts cause are shorter (docs/BENCHMARKS.md, "Failover drills").
 
 # A replica that refuses the site (its model, its credential, its certificate): an error, not a blip.
 REFUSED_CODES = (

@@ -177,8 +177,9 @@ _LINE_STARTS = (
 
 def _lines_read(text: str) -> str:
     """Only the lines of the metrics read, with their TYPE lines. A worker's /metrics is ~25 KB,
-    mostly histograms; parsing all of it for 16 workers every second took a tenth of the
-    agent's loop under load (py-spy), time the streams it relays were waiting for."""
+    mostly histograms; parsing all of it for 16 workers every second took a large share of the
+    agent's loop under load (docs/BENCHMARKS.md, "The 0.971 explained"), time the streams it
+    relays were waiting for."""
     return "\n".join(line for line in text.splitlines() if line.startswith(_LINE_STARTS))
 
 

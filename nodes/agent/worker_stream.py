@@ -2,11 +2,11 @@
 
 A worker sends one SSE event per decode step per request (`--stream-interval 1`, SGLang's
 default): ~14 events/s per stream at MLPerf's TPOT, ~140 k/s from a full MI355X site. aiohttp's
-client wakes the reading task for every event; measured here with 1,000 streams, that cost
-~25 µs of CPU per event. This protocol parses the events as the bytes arrive instead (HTTP
-framing by httptools, the llhttp parser uvicorn uses) and hands each one to the request's
-`on_event` without waking any task: ~10 µs per event, most of it the kernel's. The request's
-own task sleeps until the answer ends (`WorkerCall.done`).
+client wakes the reading task for every event. This protocol parses the events as the bytes
+arrive instead (HTTP framing by httptools, the llhttp parser uvicorn uses) and hands each one to
+the request's `on_event` without waking any task: a fraction of aiohttp's CPU per event, most of
+it the kernel's (docs/DATAPATH.md, "Worker → agent"). The request's own task sleeps until the
+answer ends (`WorkerCall.done`).
 
 One connection per request, `Connection: close`: a connection costs per request, not per token,
 and closing it is how SGLang learns that its client is gone (it aborts the request). Waits are
@@ -64,8 +64,8 @@ class _Event(msgspec.Struct):
     """One event of SGLang's /generate stream: an answer so far, or an error in its place. Decoded
     straight into these fields and their types, at the token rate: an event whose fields are not of
     SGLang's types fails its own call here, rather than the batch it would have gone into (a batch
-    is many generations' tokens). Also cheaper than a dict per event with every field of
-    `meta_info` (orjson): 0.6 against 1.3 µs per event, measured alone."""
+    is many generations' tokens). Also cheaper per event than a dict with every field of
+    `meta_info` (orjson), measured alone (docs/BENCHMARKS.md, "typed worker events")."""
 
     text: str | None = None  # None: not in the event (an error event has none of these three)
     output_ids: list[Uint32] | None = None

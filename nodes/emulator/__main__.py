@@ -219,7 +219,7 @@ async def serve(args: argparse.Namespace) -> int:
         return 1
     # What startup built (tokenizer tables, the synthetic text, the apps) lives as long as the
     # process: frozen, the collector's full passes stop walking it (at per-token pace they ran
-    # every few seconds and cost ~10 % of the CPU per stream event).
+    # often and cost a noticeable share of the CPU per stream event).
     gc.freeze()
     urls = [f"http://{args.host}:{s.config.port}" for s in servers]
     runtime.announce_ready(profile=args.profile, workers=len(urls), speed=args.speed, urls=urls)

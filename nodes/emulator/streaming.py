@@ -5,13 +5,13 @@ token count hits an output point: every count with `stream_interval` 1, else cou
 1, N+1, 2N+1, ... (`len(output_ids) % N == 1`). The interval is the server's
 `--stream-interval` unless the request's `sampling_params.stream_interval` sets one.
 
-Why events are written from the engine's step callbacks: at real speed one GPU streams
-~11,000 events/s, and resuming a handler task per event (future, task step, the handler's
-await chain, aiohttp's writer) took ~35 µs of CPU per event; this way it is ~19 µs, ~7 of
-them the kernel's write (measured at speed 1 with a full MI355X batch). So a stream asks the
-engine to call it at the step of its next point, and the call encodes the event and queues it
-on the server's `Outbox`; the handler's task wakes only to start the stream and to send the
-final event after the finish.
+Why events are written from the engine's step callbacks: at real speed one GPU streams ~11,000
+events/s, and resuming a handler task per event (future, task step, the handler's await chain,
+aiohttp's writer) cost far more CPU per event than writing it from the step, where much of what
+is left is the kernel's write (measured at speed 1 with a full MI355X batch; the cost per event:
+docs/EMULATOR.md). So a stream asks the engine to call it at the step of its next point, and the
+call encodes the event and queues it on the server's `Outbox`; the handler's task wakes only to
+start the stream and to send the final event after the finish.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Outbox:
 
     Why: a write wakes the reading client unless it is still busy with the previous ones;
     a step's ~1,000 writes in one tight burst, rather than spread between encodings, took
-    ~13 % less kernel time per event here and ~12 % less CPU in the client (speed 1, full batch).
+    less kernel time per event and less CPU in the client (measured at speed 1, full batch).
     """
 
     def __init__(self) -> None:
