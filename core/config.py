@@ -17,6 +17,7 @@ import yaml
 from pydantic import ConfigDict, Field, Strict, StrictBool, StrictStr
 
 from core import runtime
+from core.pki import Identity
 from core.policy import POLICIES
 from core.recipes import DEFAULT_RECIPES, Recipe, RecipeError
 from core.settings import Timings, describe
@@ -45,6 +46,12 @@ class ConfigError(ValueError):
     pass
 
 
+# How a site's agent gets its workers when started from the file (`python -m nodes.agent --config`):
+# launched from its recipe with SGLang or the emulator, one emulator process (`emulate`), or the
+# URLs of workers that run already. `fedctl up` always emulates.
+WorkerSource = Literal["sglang", "emulator", "emulate"] | tuple[str, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class SiteConfig:
     name: str
@@ -55,6 +62,20 @@ class SiteConfig:
     worker_port: int | None = None  # first port of the emulated workers; None: any free block
     metrics_port: int | None = None  # the agent's /metrics (docs/METRICS.md); None: not served
     readers: int = 0  # processes reading the workers' streams beside the agent (its --readers)
+    address: str | None = None  # host:port gateways and operators dial; None: the config's host
+    workers: WorkerSource | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """Where a deployment's certificates are: the CA's, and each holder's as `fedctl ca issue`
+    names them in one directory (scheduler.crt, gateway.crt, site-NAME.crt, with their keys)."""
+
+    ca: Path
+    certs: Path
+
+    def files(self, identity: Identity) -> tuple[Path, Path]:
+        return self.certs / f"{identity.file_stem}.crt", self.certs / f"{identity.file_stem}.key"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,14 +115,39 @@ class Config:
     # How each GPU type's site starts its workers (core/recipes.py): the built-in ones, with
     # those the file's `recipes:` names replacing theirs.
     recipes: dict[str, Recipe] = field(default_factory=lambda: dict(DEFAULT_RECIPES))
+    # A deployment across machines: what each process listens on (None: `host`), the replicas'
+    # addresses as dialled (None: `host`, one port each from `scheduler_port`), the certificates.
+    bind_host: str | None = None
+    scheduler_dial: tuple[str, ...] | None = None
+    tls: TlsFiles | None = None
 
     @property
     def gateway_url(self) -> str:
         return f"http://{self.host}:{self.gateway_port}"
 
     @property
+    def bind(self) -> str:
+        return self.host if self.bind_host is None else self.bind_host
+
+    @property
+    def across_machines(self) -> bool:
+        """Whether the file places processes on other machines (`fedctl up` runs one machine's)."""
+        return self.scheduler_dial is not None or any(s.address is not None for s in self.sites)
+
+    @property
     def scheduler_addresses(self) -> tuple[str, ...]:
+        if self.scheduler_dial is not None:
+            return self.scheduler_dial
         return tuple(f"{self.host}:{self.scheduler_port + i}" for i in range(self.scheduler_replicas))
+
+    def scheduler_listen_port(self, replica: int) -> int:
+        """Replica `replica`'s port: its address's when the file places it, else one per replica."""
+        if self.scheduler_dial is not None:
+            return int(self.scheduler_dial[replica].rsplit(":", 1)[1])
+        return self.scheduler_port + replica
+
+    def agent_address(self, site: SiteConfig) -> str:
+        return site.address or f"{self.host}:{site.agent_port}"
 
     def rtt_between(self, a: str, b: str) -> float:
         """The round trip between two regions; ConfigError when `links` does not say it (a
@@ -158,17 +204,31 @@ class _Gateway(_Section):
     max_connections_per_address: Annotated[int, Strict(), Field(ge=0)] = 1024
 
 
+def _address(value: str) -> str:
+    """host:port, with a port a listener can have."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not host:port")
+    return value
+
+
+_ADDRESS = Annotated[StrictStr, pydantic.AfterValidator(_address)]
+
+
 class _Scheduler(_Section):
     port: _PORT = 50051
     region: StrictStr | None = None  # the gateway's
     replicas: _POSITIVE_INT = 1
     policy: StrictStr = "least_expected_delay"
     metrics_port: _PORT | None = None  # replica i's /metrics on metrics_port + i
+    addresses: list[_ADDRESS] | None = None  # replica i's host:port as dialled, on machines of their own
 
     @pydantic.model_validator(mode="after")
     def _known(self) -> _Scheduler:
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler.policy must be one of {', '.join(sorted(POLICIES))}")
+        if self.addresses is not None and len(self.addresses) != self.replicas:
+            raise ValueError(f"scheduler.addresses names {len(self.addresses)}, one per replica ({self.replicas})")
         for name, port in (("port", self.port), ("metrics_port", self.metrics_port)):
             if port is not None and port + self.replicas - 1 > 65535:
                 raise ValueError(f"the last replica's {name} ({name} + replicas - 1) must be <= 65535")
@@ -189,6 +249,8 @@ class _Site(_Section):
     worker_port: _PORT | None = None  # first port of the emulated workers; None: any free block
     metrics_port: _PORT | None = None
     readers: Annotated[int, Strict(), Field(ge=0, le=64)] = 0  # the agent's --readers (its MAX_READERS)
+    address: _ADDRESS | None = None  # the agent's host:port as gateways dial it, on a machine of its own
+    workers: Literal["sglang", "emulator", "emulate"] | Annotated[list[StrictStr], Field(min_length=1)] | None = None
 
     @pydantic.model_validator(mode="after")
     def _ports(self) -> _Site:
@@ -197,11 +259,18 @@ class _Site(_Section):
         return self
 
 
+class _Tls(_Section):
+    ca: StrictStr  # the federation CA's certificate
+    certs: StrictStr  # the directory of every holder's certificate and key, as `fedctl ca issue --out` writes them
+
+
 class _File(_Section):
     """The config file as written: every key, its type and its bounds."""
 
     model: StrictStr = "openai/gpt-oss-120b"
     host: StrictStr = "127.0.0.1"
+    bind: StrictStr | None = None  # what every process listens on (default: host)
+    tls: _Tls | None = None
     speed: Annotated[_NUMBER, Field(gt=0)] = 1.0
     stream_interval: _POSITIVE_INT = 1
     gateway: _Gateway = _Gateway()
@@ -212,12 +281,13 @@ class _File(_Section):
     recipes: dict[GpuName, Recipe] = {}
 
 
-def parse(text: str, source: str = "config") -> Config:
-    """The file's Config; ConfigError saying, on one line, each field that is wrong."""
+def parse(text: str, source: str = "config", base: Path | None = None) -> Config:
+    """The file's Config; ConfigError saying, on one line, each field that is wrong. Relative
+    paths in it (tls, gateway.api_keys) are from `base`, the file's directory (else as given)."""
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{source}: not valid YAML: {' '.join(str(exc).split())}") from None  # one line
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
     try:
@@ -229,7 +299,18 @@ def parse(text: str, source: str = "config") -> Config:
         a, b = link.between
         rtt[(a, b)] = rtt[(b, a)] = float(link.rtt_ms)
     sites = tuple(
-        SiteConfig(s.name, s.region, s.gpu, s.gpus, s.agent_port, s.worker_port, s.metrics_port, s.readers)
+        SiteConfig(
+            s.name,
+            s.region,
+            s.gpu,
+            s.gpus,
+            s.agent_port,
+            s.worker_port,
+            s.metrics_port,
+            s.readers,
+            s.address,
+            tuple(s.workers) if isinstance(s.workers, list) else s.workers,
+        )
         for s in file.sites
     )
     if len({s.name for s in sites}) != len(sites):
@@ -246,7 +327,7 @@ def parse(text: str, source: str = "config") -> Config:
         stream_interval=file.stream_interval,
         gateway_processes=file.gateway.processes,
         ttft_budget_ms=float(file.gateway.ttft_budget_ms),
-        api_keys=file.gateway.api_keys,
+        api_keys=str(_from(base, file.gateway.api_keys)) if file.gateway.api_keys else "",
         gateway_open=file.gateway.open,
         max_connections_per_address=file.gateway.max_connections_per_address,
         rtt_ms=rtt,
@@ -255,6 +336,9 @@ def parse(text: str, source: str = "config") -> Config:
         scheduler_metrics_port=file.scheduler.metrics_port,
         timings=file.timings,
         recipes={**DEFAULT_RECIPES, **{str(gpu): recipe for gpu, recipe in file.recipes.items()}},
+        bind_host=file.bind,
+        scheduler_dial=tuple(file.scheduler.addresses) if file.scheduler.addresses is not None else None,
+        tls=TlsFiles(_from(base, file.tls.ca), _from(base, file.tls.certs)) if file.tls is not None else None,
     )
     try:
         for site in config.sites:
@@ -275,27 +359,38 @@ def parse(text: str, source: str = "config") -> Config:
     return config
 
 
+def _from(base: Path | None, path: str) -> Path:
+    return Path(path) if base is None else base / path
+
+
 def _check_ports(config: Config, source: str) -> None:
-    """Two listeners on one port fail only at start-up, half-started; say it when the file is read."""
-    owners: dict[int, str] = {}
+    """Two listeners on one port of one machine fail only at start-up, half-started; say it when
+    the file is read. A process the file places on a machine of its own (an address) is on that
+    machine; the others are on `host`."""
+    owners: dict[tuple[str, int], str] = {}
 
-    def claim(port: int, owner: str) -> None:
-        if port in owners:
-            raise ConfigError(f"{source}: port {port} is both {owners[port]}'s and {owner}'s")
-        owners[port] = owner
+    def claim(machine: str, port: int, owner: str) -> None:
+        if (machine, port) in owners:
+            raise ConfigError(f"{source}: port {port} is both {owners[(machine, port)]}'s and {owner}'s")
+        owners[(machine, port)] = owner
 
-    claim(config.gateway_port, "the gateway")
+    def machine_of(address: str | None) -> str:
+        return config.host if address is None else address.rpartition(":")[0]
+
+    claim(config.host, config.gateway_port, "the gateway")
     for i in range(config.scheduler_replicas):
-        claim(config.scheduler_port + i, f"scheduler replica {i}")
+        machine = machine_of(config.scheduler_dial[i] if config.scheduler_dial else None)
+        claim(machine, config.scheduler_listen_port(i), f"scheduler replica {i}")
         if config.scheduler_metrics_port is not None:
-            claim(config.scheduler_metrics_port + i, f"scheduler replica {i}'s metrics")
+            claim(machine, config.scheduler_metrics_port + i, f"scheduler replica {i}'s metrics")
     for site in config.sites:
-        claim(site.agent_port, f"{site.name}'s agent")
+        machine = machine_of(site.address)
+        claim(machine, site.agent_port, f"{site.name}'s agent")
         if site.metrics_port is not None:
-            claim(site.metrics_port, f"{site.name}'s agent's metrics")
+            claim(machine, site.metrics_port, f"{site.name}'s agent's metrics")
         if site.worker_port is not None:
             for gpu in range(site.gpus):
-                claim(site.worker_port + gpu, f"{site.name}'s worker {gpu}")
+                claim(machine, site.worker_port + gpu, f"{site.name}'s worker {gpu}")
 
 
 def load(path: Path | None = None) -> Config:
@@ -304,6 +399,6 @@ def load(path: Path | None = None) -> Config:
     if path is None:
         return parse(DEFAULT_YAML, "built-in default")
     try:
-        return parse(path.read_text(), str(path))
+        return parse(path.read_text(), str(path), path.parent)
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}") from None

@@ -25,6 +25,7 @@ from enum import Enum
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -56,6 +57,11 @@ class Identity:
     @property
     def common_name(self) -> str:
         return f"site:{self.site}" if self.role is Role.SITE else self.role.value
+
+    @property
+    def file_stem(self) -> str:
+        """Its certificate's and key's file name, less the suffix (a file name has no `:`)."""
+        return self.common_name.replace(":", "-")
 
     @property
     def server_name(self) -> str:
@@ -171,8 +177,7 @@ def issue(ca_dir: Path, identity: Identity, out_dir: Path, hosts: tuple[str, ...
         .sign(ca_key, hashes.SHA256())
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = identity.common_name.replace(":", "-")
-    cert_path, key_path = out_dir / f"{stem}.crt", out_dir / f"{stem}.key"
+    cert_path, key_path = out_dir / f"{identity.file_stem}.crt", out_dir / f"{identity.file_stem}.key"
     _write(key_path, key.private_bytes(*_PRIVATE), private=True)
     _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
     return cert_path, key_path
@@ -198,3 +203,14 @@ def holder(cert_pem: bytes) -> Identity:
     if len(names) != 1:
         raise PkiError("a certificate of this federation has exactly one common name")
     return Identity.from_common_name(str(names[0].value))
+
+
+def signed_by(ca_pem: bytes, cert_pem: bytes) -> bool:
+    """Whether the CA certificate's key signed this certificate (False for anything unreadable)."""
+    try:
+        ca = x509.load_pem_x509_certificate(ca_pem)
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True

@@ -38,14 +38,14 @@ from core.config import ConfigError, SiteConfig, load
 from core.gpus import PROFILES
 from core.policy import POLICIES
 from core.processes import PortRangeError, StartFailed, free_port_block, port_range
-from federation import admin, control, status_view, watch
+from federation import admin, check, control, status_view, watch
 from federation.throwaway_ca import operator_tls
 
 if TYPE_CHECKING:
     from federation.embedded import Federation
 
 # The commands that start their own federation and load it (bench, drill, fuzz): their modules
-# bring load generators, plots and hypothesis (~1 s of imports), so each is imported, and its
+# bring load generators, plots and hypothesis (slow to import), so each is imported, and its
 # arguments defined, only when it is the command given; `fedctl status` and the other short
 # commands, which tests and drills run dozens of times, start without them.
 MEASURES = {
@@ -92,6 +92,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="(--insecure) the join credential its sites present, in a file of mode 0600 (default: one made for "
         "the run)",
+    )
+    check = sub.add_parser(
+        "check", help="check a deployment's config file: keys, ports, links, recipes, certificates, API keys"
+    )
+    check.add_argument(
+        "--config", type=Path, default=None, help="the file (default: $FEDERATION_CONFIG, else the built-in)"
     )
     status = sub.add_parser("status", help="list the sites")
     status.add_argument("--json", action="store_true", help="a JSON object (with --watch: one per line, per update)")
@@ -320,6 +326,17 @@ def _run_pending(jobs: queue.Queue, wait_s: float) -> None:
         done.set_result(job())
     except (ValueError, StartFailed) as exc:
         done.set_result({"error": str(exc)})
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """0 and a line saying what the file describes, or 2 and one line per fault."""
+    config, found = check.faults(args.config)
+    for fault in found:
+        print(f"fedctl check: {fault}", file=sys.stderr)
+    if config is None or found:
+        return 2
+    print(f"{args.config or 'the built-in default'}: ok: {check.summary(config)}")
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -553,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_keys(args)
         if args.command == "dashboard":
             return cmd_dashboard(args)
+        if args.command == "check":
+            return cmd_check(args)
         return cmd_up(args) if args.command == "up" else cmd_status(args)
     except (ConfigError, pki.PkiError, credential.SecretFileError, PortRangeError) as exc:
         print(f"fedctl: {exc}", file=sys.stderr)

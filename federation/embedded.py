@@ -19,12 +19,11 @@ from typing import IO
 import grpc
 import yaml
 
-from core import credential, wire
-from core.config import Config, SiteConfig
+from core import credential, deployment, wire
+from core.config import Config, ConfigError, SiteConfig
 from core.mtls import INSECURE, INSECURE_WARNING, Tls
 from core.pki import GATEWAY, SCHEDULER, Identity, Role
 from core.processes import Child, StartFailed, spawn_python, wait_ready
-from core.settings import to_json
 from federation import control
 from federation.admin import fetch_state
 from federation.gateway import metrics
@@ -50,6 +49,12 @@ class Federation:
         launch: bool = False,
         load_s: float = 0.0,
     ) -> None:
+        if config.across_machines or config.tls is not None:
+            raise ConfigError(
+                "this config places processes on machines of their own (scheduler.addresses, sites[].address) or "
+                "names their certificates (tls): start each process with --config (docs/OPERATING.md); "
+                "fedctl up runs one machine's federation under a CA of its own"
+            )
         self.config = _pinging_past_the_links(config)
         self.log = log  # where the processes' log lines go (default: our stderr)
         # Every path to a scheduler replica through a link of ours, its region's round trip or
@@ -113,7 +118,6 @@ class Federation:
 
     def up(self) -> None:
         c = self.config
-        rtt_args = self._rtt_args()
         if self.ca is None:
             print(f"fedctl: {INSECURE_WARNING}", file=self.log or sys.stderr, flush=True)
         schedulers = [
@@ -125,14 +129,7 @@ class Federation:
         # The sites and the gateway start side by side: a site is ready once its workers answer,
         # its probe ran and it registered (seconds each), and the gateway needs only the schedulers.
         starting = [self._start_site(site, wait=False) for site in c.sites]
-        gateway_args = ["--host", c.host, "--port", str(c.gateway_port), "--model", c.model, "--policy", c.policy]
-        gateway_args += [
-            arg for address in self._to_schedulers("gateway", c.gateway_region) for arg in ("--scheduler", address)
-        ]
-        gateway_args += ["--ttft-budget-ms", str(c.ttft_budget_ms), *rtt_args, *_timings_args(c.timings.gateway)]
-        gateway_args += ["--api-keys", c.api_keys] if c.api_keys else []
-        gateway_args += ["--open"] if c.gateway_open else []
-        gateway_args += ["--max-connections-per-address", str(c.max_connections_per_address)]
+        gateway_args = deployment.gateway_args(c, self._to_schedulers("gateway", c.gateway_region))
         shared, env = [], {}
         if c.gateway_processes > 1:  # one port, and one /metrics for all of them
             self._metrics_dir = tempfile.mkdtemp(prefix="federation-gateway-metrics-")
@@ -155,15 +152,7 @@ class Federation:
         self._start(name, "scheduler", self._scheduler_args(replica), as_=SCHEDULER)
 
     def _scheduler_args(self, replica: int) -> list[str]:
-        c = self.config
-        port = c.scheduler_port + replica
-        return [
-            *("--host", c.host, "--port", str(port), "--model", c.model, "--policy", c.policy),
-            *(["--metrics-port", str(c.scheduler_metrics_port + replica)] if c.scheduler_metrics_port else []),
-            *(a for path in sorted({r.model_path for r in c.recipes.values()}) for a in ("--checkpoint", path)),
-            *self._rtt_args(),
-            *_timings_args(c.timings.scheduler),
-        ]
+        return deployment.scheduler_args(self.config, replica)
 
     def _to_schedulers(self, client: str, region: str) -> list[str]:
         """The addresses `client` (in `region`) dials for each replica: across a WAN link
@@ -180,9 +169,6 @@ class Federation:
         """Every link carrying calls to one replica (see `_to_schedulers`)."""
         return [c for c in self.children if c.name.startswith("link ") and c.name.endswith(f"->scheduler {replica}")]
 
-    def _rtt_args(self) -> list[str]:
-        return [f"--rtt-ms={a}:{b}={ms}" for (a, b), ms in self.config.rtt_ms.items() if a < b]
-
     def _start_site(self, site: SiteConfig, wait: bool = True) -> Child:
         """A site's agent (with its emulated workers) and, for a remote region, its WAN links;
         without `wait`, the agent is returned before its ready line."""
@@ -191,38 +177,16 @@ class Federation:
         rtt = c.rtt_between(site.region, c.gateway_region)
         if rtt:
             advertise = self._link(f"link gateway->{site.name}", site.agent_port, rtt)
+        emulation = [
+            *self._workers_args(),
+            *("--speed", str(c.speed), "--emulator-stream-interval", str(c.stream_interval)),
+            *(["--emulator-port", str(site.worker_port)] if site.worker_port else []),
+            *(["--emulator-enable-faults"] if self.faults else []),
+        ]
         return self._start(
             f"agent {site.name}",
             "nodes.agent",
-            [
-                "--site",
-                site.name,
-                "--region",
-                site.region,
-                "--gpu",
-                site.gpu,
-                "--gpus",
-                str(site.gpus),
-                "--model",
-                c.model,
-                "--host",
-                c.host,
-                "--port",
-                str(site.agent_port),
-                "--advertise",
-                advertise,
-                *[arg for address in to_schedulers for arg in ("--scheduler", address)],
-                *self._workers_args(),
-                "--speed",
-                str(c.speed),
-                "--emulator-stream-interval",
-                str(c.stream_interval),
-                *(["--emulator-port", str(site.worker_port)] if site.worker_port else []),
-                *(["--metrics-port", str(site.metrics_port)] if site.metrics_port else []),
-                *(["--readers", str(site.readers)] if site.readers else []),
-                *(["--emulator-enable-faults"] if self.faults else []),
-                *_timings_args(c.timings.agent),
-            ],
+            [*deployment.agent_args(c, dataclasses.replace(site, workers=None), to_schedulers, advertise), *emulation],
             as_=Identity(Role.SITE, site.name),
             wait=wait,
         )
@@ -307,11 +271,6 @@ def running(config: Config, log: IO[str] | None = None, *, insecure: bool = Fals
         yield config.gateway_url + "/v1"
     finally:
         federation.down()
-
-
-def _timings_args(timings: object) -> list[str]:
-    """A component's `--timings`, when the config changes any of its defaults."""
-    return [] if timings == type(timings)() else ["--timings", to_json(timings)]
 
 
 def _pinging_past_the_links(config: Config) -> Config:

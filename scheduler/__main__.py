@@ -13,7 +13,7 @@ import sys
 import grpc
 import structlog
 
-from core import credential, metrics_endpoint, mtls, runtime, tracing, unreadable, wire
+from core import credential, deployment, metrics_endpoint, mtls, runtime, tracing, unreadable, wire
 from core.authz import Guard
 from core.pki import SCHEDULER
 from core.policy import POLICIES
@@ -26,6 +26,7 @@ log = structlog.get_logger("scheduler")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m scheduler", description="The federation's global scheduler.")
+    deployment.add_config_argument(p, replica=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--model", default="openai/gpt-oss-120b", help="the model every site must serve")
@@ -100,7 +101,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(deployment.expand(sys.argv[1:] if argv is None else argv, "scheduler"))
     return runtime.run(serve, args)
 
 

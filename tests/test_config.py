@@ -25,38 +25,45 @@ def test_default_is_the_embedded_federation() -> None:
     assert c.gateway_port == 8080 and c.rtt_between("us-west-2", "ap-northeast-2") == 130.0
 
 
-@pytest.mark.parametrize(
-    ("text", "fragment"),
-    [
-        ("gateway: 8080", "gateway: Input should be a valid dictionary"),
-        ("gateway: {port: http}", "gateway.port: Input should be a valid integer"),
-        ("gateway: {port: 70000}", "gateway.port: Input should be less than or equal to 65535"),
-        (
-            "sites: [{name: a, region: r, gpu: h100, gpus: 1, agent_port: 1}]",
-            "sites[0].gpu: Input should be 'mi300x' or 'mi355x'",
-        ),
-        (
-            "sites: [{name: a, region: r, gpu: mi300x, gpus: 0, agent_port: 1}]",
-            "sites[0].gpus: Input should be greater than or equal to 1",
-        ),
-        (
-            "sites: [{name: a, region: r, gpu: mi300x, gpus: '2', agent_port: 1}]",
-            "sites[0].gpus: Input should be a valid integer",
-        ),
-        (
-            "sites: [{name: a, region: r, gpu: mi300x, gpus: 2, agent_port: 1, readers: -1}]",
-            "sites[0].readers: Input should be greater than or equal to 0",
-        ),
-        ("sites: []", "sites: List should have at least 1 item"),
-        ("links: [{between: [a], rtt_ms: 5}]", "links[0].between[1]: Field required"),
-        ("{{{", "not valid YAML"),
-        ("scheduler: {policy: fastest}", "scheduler.policy must be one of"),
-        ("speed: true", "speed: Input should be a valid number"),
-        ("gatewya: {port: 8080}", "gatewya: Extra inputs are not permitted"),  # a typo is not a default
-        ("timings: {agent: {coalesce_s: 0}}", "timings.agent.coalesce_s: Input should be greater than 0"),
-        ("timings: {gateway: {route_timout_s: 5}}", "timings.gateway.route_timout_s: Unexpected keyword argument"),
-    ],
-)
+BAD_CONFIGS = [
+    ("gateway: 8080", "gateway: Input should be a valid dictionary"),
+    ("gateway: {port: http}", "gateway.port: Input should be a valid integer"),
+    ("gateway: {port: 70000}", "gateway.port: Input should be less than or equal to 65535"),
+    (
+        "sites: [{name: a, region: r, gpu: h100, gpus: 1, agent_port: 1}]",
+        "sites[0].gpu: Input should be 'mi300x' or 'mi355x'",
+    ),
+    (
+        "sites: [{name: a, region: r, gpu: mi300x, gpus: 0, agent_port: 1}]",
+        "sites[0].gpus: Input should be greater than or equal to 1",
+    ),
+    (
+        "sites: [{name: a, region: r, gpu: mi300x, gpus: '2', agent_port: 1}]",
+        "sites[0].gpus: Input should be a valid integer",
+    ),
+    (
+        "sites: [{name: a, region: r, gpu: mi300x, gpus: 2, agent_port: 1, readers: -1}]",
+        "sites[0].readers: Input should be greater than or equal to 0",
+    ),
+    ("sites: []", "sites: List should have at least 1 item"),
+    ("links: [{between: [a], rtt_ms: 5}]", "links[0].between[1]: Field required"),
+    ("{{{", "not valid YAML"),
+    ("scheduler: {policy: fastest}", "scheduler.policy must be one of"),
+    ("speed: true", "speed: Input should be a valid number"),
+    ("gatewya: {port: 8080}", "gatewya: Extra inputs are not permitted"),  # a typo is not a default
+    ("timings: {agent: {coalesce_s: 0}}", "timings.agent.coalesce_s: Input should be greater than 0"),
+    ("timings: {gateway: {route_timout_s: 5}}", "timings.gateway.route_timout_s: Unexpected keyword argument"),
+    ("scheduler: {replicas: 2, addresses: [a:1]}", "scheduler.addresses names 1, one per replica (2)"),
+    ("scheduler: {addresses: [nowhere]}", "scheduler.addresses[0]: 'nowhere' is not host:port"),
+    (
+        "sites: [{name: a, region: r, gpu: mi300x, gpus: 1, agent_port: 1, workers: docker}]",
+        "sites[0].workers",
+    ),
+    ("tls: {ca: ca.crt}", "tls.certs: Field required"),
+]
+
+
+@pytest.mark.parametrize(("text", "fragment"), BAD_CONFIGS)
 def test_bad_configs_are_explained(text: str, fragment: str) -> None:
     """Each malformed config raises ConfigError naming the problem."""
     with pytest.raises(ConfigError, match=re.escape(fragment)):

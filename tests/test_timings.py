@@ -11,9 +11,10 @@ import grpc
 
 from core import wire
 from core.config import DEFAULT_YAML, parse
+from core.deployment import timings_args
 from core.processes import PROJECT_ROOT, free_port_block, start_python
 from core.settings import SchedulerTimings, to_json
-from federation.embedded import Federation, _timings_args
+from federation.embedded import Federation
 
 
 def test_a_scheduler_tells_sites_the_report_interval_it_was_given() -> None:
@@ -65,8 +66,8 @@ def test_the_config_file_sets_what_each_process_is_started_with() -> None:
         "gateway: {region: r}\ntimings: {agent: {coalesce_s: 0.05}}\n"
         "sites: [{name: a, region: r, gpu: mi300x, gpus: 1, agent_port: 9000}]"
     )
-    assert _timings_args(config.timings.gateway) == [] and _timings_args(config.timings.scheduler) == []
-    flag, value = _timings_args(config.timings.agent)
+    assert timings_args(config.timings.gateway) == [] and timings_args(config.timings.scheduler) == []
+    flag, value = timings_args(config.timings.agent)
     assert flag == "--timings" and '"coalesce_s": 0.05' in value and '"health_interval_s": 1.0' in value
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from core import harmony, mtls, runtime, tokens, tracing
+from core import deployment, harmony, mtls, runtime, tokens, tracing
 from core.pki import GATEWAY
 from core.policy import POLICIES
 from core.settings import GatewayTimings, add_timings_argument
@@ -31,6 +31,7 @@ OPEN_WARNING = "OPEN ENDPOINT (no --api-keys): anyone who reaches the port may u
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m federation.gateway", description="The federation's endpoint.")
+    deployment.add_config_argument(p, replica=False)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument(
         "--open",
@@ -192,7 +193,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(deployment.expand(sys.argv[1:] if argv is None else argv, "federation.gateway"))
     return runtime.run(serve, args)
 
 

@@ -33,7 +33,18 @@ import aiohttp
 import grpc
 import structlog
 
-from core import credential, metrics_endpoint, mtls, recipes, runtime, supervise, tracing, unreadable, wire
+from core import (
+    credential,
+    deployment,
+    metrics_endpoint,
+    mtls,
+    recipes,
+    runtime,
+    supervise,
+    tracing,
+    unreadable,
+    wire,
+)
 from core.authz import Guard
 from core.pki import Identity, Role
 from core.processes import free_port_block
@@ -58,6 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m nodes.agent", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    deployment.add_config_argument(p)
     p.add_argument("--site", required=True)
     p.add_argument("--region", required=True)
     p.add_argument("--gpu", required=True, choices=["mi300x", "mi355x"])
@@ -104,8 +116,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=runtime.non_negative_int,
         default=0,
         help="processes that read the workers' streams beside this one (default 0: it reads them itself); "
-        "one core reads ~60 k tokens/s at SGLang's pace, so a site of more than ~4 MI355X needs them "
-        "(see nodes/agent/readers.py, docs/DATAPATH.md)",
+        "one core reads the tokens of only a few MI355X at SGLang's pace, so a bigger site needs them "
+        "(how many a core reads: docs/DATAPATH.md; nodes/agent/readers.py)",
     )
     p.add_argument(
         "--speed",
@@ -382,7 +394,7 @@ def _what_workers_serve(pool: WorkerPool, declared_model: str) -> Serves | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(deployment.expand(sys.argv[1:] if argv is None else argv, "nodes.agent"))
     return runtime.run(serve, args)
 
 
