@@ -18,9 +18,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from core import pki
+from core import deployment, pki
 from core.processes import PROJECT_ROOT
-from core.recipes import DEFAULT_RECIPES, load_recipes, parse_recipes
+from core.recipes import DEFAULT_RECIPES, load_recipes
 from federation.gateway import keys
 
 DEPLOY = PROJECT_ROOT / "deploy"
@@ -56,12 +56,15 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pki.issue(ca, identity, root / "certs")
     (root / "keys").mkdir()
     keys.add(root / "keys" / "federation-keys.json", "me", keys.KeyLimits())
+    (root / "deploy").mkdir()
+    shutil.copy(DEPLOY / "federation.yaml", root / "deploy")  # its paths lead to the files above
     return root
 
 
-def _parse(command: list[str], mounts: dict[str, Path]) -> None:
-    """Parse `command` (`python -m MODULE ARGS`) with MODULE's own parser, each path in a mounted
-    directory or file replaced by where it is here."""
+def _expanded(command: list[str], mounts: dict[str, Path]) -> tuple[str, list[str]]:
+    """(MODULE, its whole command line) of `command` (`python -m MODULE ARGS`): each path in a
+    mounted directory or file replaced by where it is here, and `--config` read as the process
+    reads it (core/deployment.py)."""
     python, dash_m, module, *args = command
     assert python in ("python", "python3") and dash_m == "-m", command
 
@@ -71,7 +74,14 @@ def _parse(command: list[str], mounts: dict[str, Path]) -> None:
                 return str(outside / PurePosixPath(arg).relative_to(inside))
         return arg
 
-    importlib.import_module(MODULES[module]).parse_args([here(a) for a in args])
+    return module, deployment.expand([here(a) for a in args], module)
+
+
+def _parse(command: list[str], mounts: dict[str, Path]) -> list[str]:
+    """Parse `command` with its program's own parser (as `_expanded` reads it); its command line."""
+    module, args = _expanded(command, mounts)
+    importlib.import_module(MODULES[module]).parse_args(args)
+    return args
 
 
 def _flag(command: list[str], name: str) -> list[str]:
@@ -106,7 +116,7 @@ def _compose_mounts(service: dict, made: Path) -> dict[str, Path]:
         host, container, *_ = volume.split(":")
         if host.startswith("/"):
             relative = Path(host).relative_to(PROJECT_ROOT)
-            mine = relative.parts[0] in ("federation-ca", "certs", "keys")
+            mine = relative.parts[0] in ("federation-ca", "certs", "keys") or relative == Path("deploy/federation.yaml")
             mounts[container] = made / relative if mine else Path(host)
     return mounts
 
@@ -134,17 +144,17 @@ def test_rocm_profile_holds_the_gpu_sites_and_nothing_else() -> None:
 
 
 @needs_compose
-def test_rocm_sites_run_in_their_recipes_image_with_the_gpus() -> None:
+def test_rocm_sites_run_in_their_recipes_image_with_the_gpus(made: Path) -> None:
     """Each GPU site builds deploy/rocm/Dockerfile on the SGLang ROCm image its GPU type's
     built-in recipe names, gets the GPUs' device nodes, the `video` group, host IPC and a large
-    /dev/shm, keeps the Hugging Face cache (HF_HOME) on a volume, mounts the recipes file and
-    its certificate read-only (never the CA's key), runs unprivileged, and publishes the
-    agent's gRPC port."""
+    /dev/shm, keeps the Hugging Face cache (HF_HOME) on a volume, mounts deploy/federation.yaml
+    (which holds its recipes) and its certificate read-only (never the CA's key), runs
+    unprivileged, and publishes the agent's gRPC port."""
     dockerfile = (DEPLOY / "rocm" / "Dockerfile").read_text()
     assert re.search(r"^ARG SGLANG_IMAGE=(\S+)$", dockerfile, re.M)[1] == DEFAULT_RECIPES["mi300x"].image
     for name, site in _rocm_sites(_render("--profile", "rocm")).items():
         gpu = name.removeprefix("site-")
-        command = site["command"]
+        command = _parse(site["command"], _compose_mounts(site, made))
         assert _flag(command, "--gpu") == [gpu] and _flag(command, "--launch") == ["sglang"], name
         assert site["build"]["dockerfile"] == "deploy/rocm/Dockerfile", name
         assert site["build"]["args"] == {"SGLANG_IMAGE": DEFAULT_RECIPES[gpu].image}, name
@@ -156,8 +166,7 @@ def test_rocm_sites_run_in_their_recipes_image_with_the_gpus() -> None:
         assert models == [f"model-cache:{site['environment']['HF_HOME']}:rw"], name
         files = [v for v in site["volumes"] if v.startswith("/")]
         assert all(v.endswith(":ro") and "ca.key" not in v for v in files), name
-        recipes = next(v.split(":")[0] for v in files if v.split(":")[1] == _flag(command, "--recipes")[0])
-        assert load_recipes(Path(recipes)) == DEFAULT_RECIPES, name  # deploy/recipes.yaml: the built-in ones
+        assert load_recipes(Path(_flag(command, "--recipes")[0])) == DEFAULT_RECIPES, name  # the built-in ones
 
 
 @needs_compose
@@ -167,16 +176,19 @@ def test_control_plane_file_publishes_the_schedulers_and_a_keyed_gateway(made: P
     port of its own for the sites, the gateway's API is public and its /health local."""
     services = _render("-f", "deploy/control-plane.yml")["services"]
     assert set(services) == {"scheduler-0", "scheduler-1", "gateway"}
-    for service in services.values():
+    commands = {}
+    for name, service in services.items():
         assert all(v.endswith(":ro") and "ca.key" not in v for v in service["volumes"])
-        _parse(service["command"], _compose_mounts(service, made))
+        commands[name] = _parse(service["command"], _compose_mounts(service, made))
     published = {n: sorted(_published(p) for p in s["ports"]) for n, s in services.items()}
     assert published == {
         "scheduler-0": [("", 50051)],
         "scheduler-1": [("", 50052)],
         "gateway": [("", 8080), ("127.0.0.1", 8081)],
     }
-    assert _flag(services["gateway"]["command"], "--api-keys") == ["/keys/federation-keys.json"]
+    assert _flag(commands["gateway"], "--api-keys") == [str(made / "deploy" / ".." / "keys" / "federation-keys.json")]
+    assert _flag(commands["gateway"], "--scheduler") == ["scheduler-0:50051", "scheduler-1:50051"]
+    assert [_flag(commands[f"scheduler-{i}"], "--port") for i in range(2)] == [["50051"], ["50051"]]
 
 
 def test_recipe_files_load_over_the_built_in_ones() -> None:
@@ -189,9 +201,7 @@ def test_recipe_files_load_over_the_built_in_ones() -> None:
         gpu: (8, 1, r.image) for gpu, r in DEFAULT_RECIPES.items()
     }
     assert (tp8["mi300x"].model_path, tp8["mi355x"].model_path) == ("lmsys/gpt-oss-120b-bf16", "openai/gpt-oss-120b")
-    for config_map in _objects("ConfigMap"):
-        raw = yaml.safe_load(config_map["data"]["recipes.yaml"])["recipes"]
-        assert parse_recipes(raw, config_map["metadata"]["name"]) == DEFAULT_RECIPES
+    assert load_recipes(DEPLOY / "federation.yaml") == DEFAULT_RECIPES  # the one config's: the built-in ones
 
 
 def test_guide_shows_the_built_in_recipes_as_they_are() -> None:
@@ -246,7 +256,7 @@ def test_kubernetes_manifests_match_the_api_schemas() -> None:
                     f"{path.relative_to(PROJECT_ROOT)}: {doc['kind']} {doc['metadata']['name']}: {where}: {exc.message}"
                 )
     kinds = sorted({doc["kind"] for _, doc in _manifests()})
-    assert kinds == ["ConfigMap", "Deployment", "Namespace", "PodDisruptionBudget", "Service", "StatefulSet"]
+    assert kinds == ["Deployment", "Namespace", "PodDisruptionBudget", "Service", "StatefulSet"]  # ConfigMaps: the guide makes them
 
 
 def test_kubernetes_pods_are_unprivileged_bounded_and_probed() -> None:
@@ -281,10 +291,11 @@ def test_kubernetes_pods_are_unprivileged_bounded_and_probed() -> None:
             assert all(mounted[s]["readOnly"] for s in secrets), name
 
 
-def test_kubernetes_objects_refer_to_each_other() -> None:
+def test_kubernetes_objects_refer_to_each_other(made: Path, tmp_path: Path) -> None:
     """What the schemas cannot see: each Service selects pods that exist and names their ports;
     a StatefulSet's service is headless; a per-replica Service names a replica that exists;
-    probes name the container's ports; ConfigMaps are there; the gateways list every scheduler
+    probes name the container's ports; ConfigMaps are there (the manifests' or the guide's); the
+    gateways list every scheduler
     replica by its stable name; a site asks for the GPUs it declares on nodes of its GPU type,
     in an image built on its recipe's SGLang image, keeps HF_HOME on its volume claim, gets a
     memory-backed /dev/shm and advertises its public Service's port."""
@@ -314,7 +325,7 @@ def test_kubernetes_objects_refer_to_each_other() -> None:
     for budget in _objects("PodDisruptionBudget"):
         assert pods_of(budget["spec"]["selector"]["matchLabels"], _namespace(budget)), budget["metadata"]["name"]
     services = {(_namespace(s), s["metadata"]["name"]): s for s in _objects("Service")}
-    config_maps = {(_namespace(c), c["metadata"]["name"]) for c in _objects("ConfigMap")}
+    config_maps = {(_namespace(c), c["metadata"]["name"]) for c in _objects("ConfigMap")} | set(_guide_config_maps())
     for w in workloads:
         name, pod = w["metadata"]["name"], w["spec"]["template"]["spec"]
         assert w["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
@@ -340,7 +351,7 @@ def test_kubernetes_objects_refer_to_each_other() -> None:
     for site in sites:
         name, pod = site["metadata"]["name"], site["spec"]["template"]["spec"]
         (agent,) = pod["containers"]
-        command = agent["command"]
+        command = _expanded(agent["command"], _pod_mounts(site, made, tmp_path / name))[1]
         gpu = _flag(command, "--gpu")[0]
         assert site["spec"]["replicas"] == 1 and _flag(command, "--site") == [name.removeprefix("site-")], name
         assert SITES[name.removeprefix("site-")] == gpu == pod["nodeSelector"]["inference-federation/gpu"], name
@@ -365,25 +376,37 @@ def test_kubernetes_objects_refer_to_each_other() -> None:
 
 def _guide_secrets() -> dict[tuple[str, str], dict[str, str]]:
     """Each `kubectl -n NS create secret generic NAME --from-file=KEY=PATH ...` in the guide."""
+    return _guide_objects("secret generic")
+
+
+def _guide_objects(kind: str) -> dict[tuple[str, str], dict[str, str]]:
+    """Each `kubectl -n NS create KIND NAME --from-file=KEY=PATH ...` in the guide: its files."""
     text = GUIDE.read_text().replace("\\\n", " ")
-    secrets = {}
+    made = {}
     for line in text.splitlines():
-        if "create secret generic" not in line:
+        if f"create {kind} " not in line:
             continue
         words = shlex.split(line.strip())
         namespace = words[words.index("-n") + 1]
-        name = words[words.index("generic") + 1]
+        name = words[words.index(kind.split()[-1]) + 1]
         files = dict(w.removeprefix("--from-file=").split("=", 1) for w in words if w.startswith("--from-file="))
-        secrets[(namespace, name)] = files
-    return secrets
+        made[(namespace, name)] = files
+    return made
+
+
+def _guide_config_maps() -> dict[tuple[str, str], dict[str, str]]:
+    """Each `kubectl -n NS create configmap NAME --from-file=KEY=PATH ...` in the guide."""
+    return _guide_objects("configmap")
 
 
 def _pod_mounts(workload: dict, made: Path, tmp: Path) -> dict[str, Path]:
-    """A workload's first container's mounts of Secrets (the files the guide makes them from,
-    as made in `made`) and ConfigMaps (written out under `tmp`)."""
+    """A workload's first container's mounts of Secrets and of the ConfigMaps the guide makes
+    (the files it makes them from, as made in `made`) and of the manifests' own ConfigMaps
+    (written out under `tmp`)."""
     pod, namespace = workload["spec"]["template"]["spec"], _namespace(workload)
     config_maps = {c["metadata"]["name"]: c["data"] for c in _objects("ConfigMap") if _namespace(c) == namespace}
     secrets = _guide_secrets()
+    made_maps = {name: files for (ns, name), files in _guide_config_maps().items() if ns == namespace}
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {}
     for mount in pod["containers"][0]["volumeMounts"]:
@@ -393,6 +416,12 @@ def _pod_mounts(workload: dict, made: Path, tmp: Path) -> dict[str, Path]:
             directory = tmp / mount["name"]
             directory.mkdir(parents=True)
             for key, source in files.items():
+                (directory / key).symlink_to(made / source)
+            mounts[mount["mountPath"]] = directory
+        elif "configMap" in volume and volume["configMap"]["name"] in made_maps:
+            directory = tmp / mount["name"]
+            directory.mkdir(parents=True)
+            for key, source in made_maps[volume["configMap"]["name"]].items():
                 (directory / key).symlink_to(made / source)
             mounts[mount["mountPath"]] = directory
         elif "configMap" in volume:
