@@ -139,6 +139,13 @@ DEFAULTS = {
     # 0.25 s, heartbeats, the estimator's 5-s windows) runs in wall time too; the default's load
     # keeps the starved agent relaying every second of it, with a queue.
     "cpu-starve": DrillDefaults(),
+    # A quarter of the US site's GPUs lost cuts ~3,800 streams, each of which re-prefills its prompt
+    # and what it had said (~1,150 tokens) wherever it resumes: ~4.3 M tokens, which cost the
+    # surviving GPUs about what the whole federation delivers in 2.5 GPU-s, at either site
+    # (prefill costs Korea's MI300X 3x what it costs an MI355X, and so does decode): a sixth of
+    # the default window after (15 GPU-s). So the window after is twice that: it measures what the
+    # federation delivers once failed over, the wave a twelfth of it (docs/BENCHMARKS.md, "Drills").
+    "worker-loss": DrillDefaults(windows_s=(DRILL_WINDOWS_S[0], DRILL_WINDOWS_S[1], 2 * DRILL_WINDOWS_S[2])),
 }
 
 
