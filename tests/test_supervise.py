@@ -17,11 +17,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from core import supervise, wire
-from core.errors import FederationError
+from core.errors import FederationError, TooBusy
 from core.processes import free_port_block
 from core.settings import SchedulerTimings
 from federation.drills.faults import poll_until
 from federation.gateway import metrics as gateway_metrics
+from federation.gateway.admission import Admission
+from federation.gateway.schedulers import Schedulers
 from federation.gateway.upstream import SiteStream, Upstream
 from nodes.agent import __main__ as agent_main
 from nodes.agent.pool import WorkerPool
@@ -251,3 +253,66 @@ async def test_the_gateways_metrics_flush_restarts_after_raising() -> None:
             task.cancel()
             gateway_metrics.DEGRADED.set(0)
     assert asked >= 2 and [e["task"] for e in logs if e["event"] == "task.restarting"] == ["gateway.metrics_flush"]
+
+
+@pytest.mark.timeout(120)
+async def test_the_gateways_hold_queue_pump_restarts_after_raising(make_federation, monkeypatch) -> None:
+    """Latency mode's pump, which weighs the held requests at each state, raises on its first
+    weighing: it is logged and started again, weighs the queue again, and the held request (a
+    client 3 s away with a 1.5-s budget) is refused with 429 at its deadline, not left hanging."""
+    fed, _ = make_federation(sites=[("us-mi355x", "us-west-2", "mi355x")], rtt_ms=3000, insecure=True)
+    weighed = 0
+    real = Schedulers.estimate
+
+    def estimate(self: Schedulers, req: wire.RouteRequest) -> wire.RouteDecision | None:
+        nonlocal weighed
+        weighed += 1
+        if weighed == 1:
+            raise RuntimeError("a bug")
+        return real(self, req)
+
+    monkeypatch.setattr(Schedulers, "estimate", estimate)
+    schedulers = Schedulers(list(fed.config.scheduler_addresses), rtt_s={("ap-northeast-2", "us-west-2"): 3.0})
+    schedulers.start()
+    try:
+        for _ in range(100):  # the first state watched
+            if schedulers.state is not None:
+                break
+            await asyncio.sleep(0.1)
+        admission = Admission(schedulers, max_held=10)
+        request = wire.RouteRequest("held", prompt_tokens=10, max_tokens=5, client_region="ap-northeast-2")
+        with capture_logs() as logs:
+            started = time.monotonic()
+            with pytest.raises(TooBusy):
+                await admission.route(request, budget=1.5)
+            waited = time.monotonic() - started
+    finally:
+        await schedulers.close()
+    assert weighed >= 2 and 1.0 <= waited <= 3.0, (weighed, waited)
+    assert [e["task"] for e in logs if e["event"] == "task.restarting"] == ["gateway.admission"]
+
+
+@pytest.mark.timeout(120)
+async def test_a_launched_sites_join_probe_that_raises_stops_the_agent_with_exit_1(monkeypatch) -> None:
+    """An agent whose launched worker loads: once it is up, the join probe runs, and here it
+    raises. A site that never probed would stay `joining` for ever, so the agent says which task
+    failed, with the traceback, and its serve ends with exit code 1 for its supervisor."""
+
+    async def broken_probe(_pool: WorkerPool) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(agent_main.calibrate, "probe", broken_probe)
+    port, nobody = free_port_block(1), f"127.0.0.1:{free_port_block(1)}"
+    site = ["--insecure", "--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "1", "--port", str(port)]
+    launched = ["--launch", "emulator", "--emulator-load-s", "0.5", "--speed", "20"]
+    args = agent_main.parse_args([*site, "--scheduler", nobody, *launched])
+    try:
+        with capture_logs() as logs:
+            async with asyncio.timeout(90):
+                code = await agent_main.serve(args)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # its stop_event()'s, on this loop
+            asyncio.get_running_loop().remove_signal_handler(sig)
+    assert code == supervise.EXIT_FAILED
+    failed = [e for e in logs if e["event"] == "task.failed"]
+    assert [e["task"] for e in failed] == ["agent.probe_when_up"], failed
