@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core import wire
-from federation.gateway.failover import Chunk
-from federation.gateway.jobs import Job
+from federation.gateway.pieces import Chunk, Job
 from federation.gateway.responses import Answer
 
 _chunks = st.lists(

@@ -98,3 +98,49 @@ def test_the_base_imports_alone(module: str) -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _graph(package: str) -> dict[str, set[str]]:
+    """Each module of `package` and the modules of it that it imports (`from package import m`
+    counted as importing m; imports under TYPE_CHECKING too)."""
+    directory = ROOT.joinpath(*package.split("."))
+    names = {p.stem for p in directory.glob("*.py")} - {"__init__", "__main__"}
+    graph: dict[str, set[str]] = {}
+    for name in names:
+        found = set()
+        for node in ast.walk(ast.parse((directory / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == package:
+                found |= {a.name for a in node.names if a.name in names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package + "."):
+                found.add(node.module.removeprefix(package + ".").split(".")[0])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.removeprefix(package + ".") for a in node.names if a.name.startswith(package + ".")}
+        graph[name] = found & names
+    return graph
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """An import circle in `graph` (the modules around it), or None."""
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        if name in path:
+            return [*path[path.index(name) :], name]
+        if name in done:
+            return None
+        for imported in sorted(graph[name]):
+            if found := visit(imported, [*path, name]):
+                return found
+        done.add(name)
+        return None
+
+    return next((c for name in sorted(graph) if (c := visit(name, []))), None)
+
+
+def test_the_gateways_modules_import_one_way() -> None:
+    """No import circle inside the gateway: the types its response path shares live in
+    `pieces.py`, below the modules that make them and those that say them."""
+    graph = _graph("federation.gateway")
+    assert {"responses", "responses_api", "jobs", "failover", "pieces"} <= graph.keys()
+    assert _circle(graph) is None, " -> ".join(_circle(graph) or [])
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check finds one

@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
@@ -30,7 +30,7 @@ from core import tokens, wire
 from core.errors import NoCapacity, SiteWorkerFailed, UpstreamFailed
 from core.settings import GatewayTimings
 from federation.gateway import metrics, spans
-from federation.gateway.jobs import Job
+from federation.gateway.pieces import Chunk, Job
 from federation.gateway.schedulers import Schedulers
 from federation.gateway.upstream import SiteStream, Upstream
 
@@ -110,20 +110,6 @@ class SiteBreakers:
 
 
 Route = Callable[[wire.RouteRequest], Awaitable[wire.RouteDecision]]
-
-
-class Chunk(NamedTuple):
-    """A piece of the answer as the client's one stream sees it: its token count continues
-    across sites. (A NamedTuple: one is built per delta, at the token rate.)"""
-
-    text: str
-    output_ids: tuple[int, ...]
-    completion_tokens: int
-    finish_reason: dict[str, Any] | None
-    site: str
-    logprobs: tuple[float, ...] = ()  # asked for: one per output id
-    top: tuple[tuple[tuple[int, float], ...], ...] = ()
-    cached_tokens: int = 0  # of the prompt, found in prefix caches so far (every site the answer used)
 
 
 _new = tuple.__new__  # a tuple's own constructor: half the NamedTuple's, at the token rate

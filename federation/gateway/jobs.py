@@ -9,27 +9,13 @@ ids, the one data path.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from datetime import date
-from typing import Any, Literal
+from typing import Any
 
 from core import prefixes, tokens, wire
 from core.errors import BadRequest, ModelNotFound
 from federation.gateway import chat, request_models, responses_api
-
-JobKind = Literal["chat", "completion", "generate", "responses"]
-
-
-@dataclass(frozen=True, slots=True)
-class Job:
-    kind: JobKind
-    request: wire.GenerateRequest
-    max_tokens: int  # what the client asked for; 0 when it set no limit
-    stream: bool
-    include_usage: bool
-    model: str
-    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every text chunk
-    echo: dict[str, Any] | None = None  # /v1/responses: the request's fields its Response says back
+from federation.gateway.pieces import Job, JobKind
 
 
 def _encode(text: str, context_tokens: int, param: str) -> list[int]:

@@ -28,8 +28,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 import structlog
@@ -38,8 +37,7 @@ from aiohttp import hdrs, web
 from core import harmony
 from core.errors import UpstreamFailed
 from federation.gateway import logprobs
-from federation.gateway.failover import Chunk
-from federation.gateway.jobs import Job
+from federation.gateway.pieces import Chunk, Job, OutputItem
 from federation.gateway.responses_api import ResponseEvents
 
 log = structlog.get_logger("gateway")
@@ -84,21 +82,6 @@ def _cut(event: dict[str, Any]) -> tuple[bytes, ...]:
 
 
 _USAGE = b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}'
-
-
-@dataclass(slots=True)
-class OutputItem:
-    """One part of a Harmony answer as OpenAI's APIs show it: its reasoning, its text, or a
-    tool call (`name`: the function; `parts`: the arguments)."""
-
-    kind: Literal["reasoning", "content", "call"]
-    id: str
-    name: str = ""
-    parts: list[str] = field(default_factory=list)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
 
 
 class Answer:

@@ -11,16 +11,24 @@ Nothing is stored: each request carries its whole conversation (as with `store: 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import orjson
 from pydantic import Field, ValidationError
 
 from core.errors import BadRequest
+from federation.gateway.pieces import Job, OutputItem
 from federation.gateway.request_models import Strict, invalid
 
-if TYPE_CHECKING:
-    from federation.gateway.responses import Answer
+
+class SaidAnswer(Protocol):
+    """What a Response says of an answer (`responses.Answer` holds it as it is read)."""
+
+    job: Job
+    created: int
+    completion_tokens: int
+    cached_tokens: int
+    items: list[OutputItem]
 
 
 class _FunctionTool(Strict):
@@ -177,7 +185,7 @@ class ResponseEvents:
     """An answer said as a Response: the whole object, or the stream of events that builds it
     (each item added, its deltas, done; `sequence_number` counting every event)."""
 
-    def __init__(self, answer: Answer) -> None:
+    def __init__(self, answer: SaidAnswer) -> None:
         self._answer = answer
         self._sequence = 0
         self._open: int | None = None  # index of the output item being streamed
