@@ -49,21 +49,7 @@ class ConfigError(ValueError):
 # How a site's agent gets its workers when started from the file (`python -m nodes.agent --config`):
 # launched from its recipe with SGLang or the emulator, one emulator process (`emulate`), or the
 # URLs of workers that run already. `fedctl up` always emulates.
-WorkerSource = Literal["sglang", "emulator", "emulate"] | tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SiteConfig:
-    name: str
-    region: str
-    gpu: str
-    gpus: int
-    agent_port: int
-    worker_port: int | None = None  # first port of the emulated workers; None: any free block
-    metrics_port: int | None = None  # the agent's /metrics (docs/METRICS.md); None: not served
-    readers: int = 0  # processes reading the workers' streams beside the agent (its --readers)
-    address: str | None = None  # host:port gateways and operators dial; None: the config's host
-    workers: WorkerSource | None = None
+WorkerSource = Literal["sglang", "emulator", "emulate"] | Annotated[tuple[StrictStr, ...], Field(min_length=1)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,20 +226,25 @@ class _Link(_Section):
     rtt_ms: Annotated[_NUMBER, Field(ge=0)]
 
 
-class _Site(_Section):
+@pydantic.dataclasses.dataclass(frozen=True, slots=True, config=ConfigDict(extra="forbid"))
+class SiteConfig:
+    """A site as the file writes it and as every process uses it: one definition, validated
+    wherever one is made (the file, `fedctl site add`, a drill's joining site)."""
+
     name: StrictStr
     region: StrictStr
     gpu: GpuName
     gpus: _POSITIVE_INT
     agent_port: _PORT
     worker_port: _PORT | None = None  # first port of the emulated workers; None: any free block
-    metrics_port: _PORT | None = None
-    readers: Annotated[int, Strict(), Field(ge=0, le=64)] = 0  # the agent's --readers (its MAX_READERS)
-    address: _ADDRESS | None = None  # the agent's host:port as gateways dial it, on a machine of its own
-    workers: Literal["sglang", "emulator", "emulate"] | Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    metrics_port: _PORT | None = None  # the agent's /metrics (docs/METRICS.md); None: not served
+    # processes reading the workers' streams beside the agent (its --readers; at most its MAX_READERS)
+    readers: Annotated[int, Strict(), Field(ge=0, le=64)] = 0
+    address: _ADDRESS | None = None  # host:port gateways and operators dial; None: the config's host
+    workers: WorkerSource | None = None
 
     @pydantic.model_validator(mode="after")
-    def _ports(self) -> _Site:
+    def _ports(self) -> SiteConfig:
         if self.worker_port is not None and self.worker_port + self.gpus - 1 > 65535:
             raise ValueError("the last worker's port (worker_port + gpus - 1) must be <= 65535")
         return self
@@ -276,7 +267,7 @@ class _File(_Section):
     gateway: _Gateway = _Gateway()
     scheduler: _Scheduler = _Scheduler()
     links: list[_Link] = []
-    sites: Annotated[list[_Site], Field(min_length=1)]
+    sites: Annotated[list[SiteConfig], Field(min_length=1)]
     timings: Timings = Timings()
     recipes: dict[GpuName, Recipe] = {}
 
@@ -298,21 +289,7 @@ def parse(text: str, source: str = "config", base: Path | None = None) -> Config
     for link in file.links:
         a, b = link.between
         rtt[(a, b)] = rtt[(b, a)] = float(link.rtt_ms)
-    sites = tuple(
-        SiteConfig(
-            s.name,
-            s.region,
-            s.gpu,
-            s.gpus,
-            s.agent_port,
-            s.worker_port,
-            s.metrics_port,
-            s.readers,
-            s.address,
-            tuple(s.workers) if isinstance(s.workers, list) else s.workers,
-        )
-        for s in file.sites
-    )
+    sites = tuple(file.sites)
     if len({s.name for s in sites}) != len(sites):
         raise ConfigError(f"{source}: site names must be unique")
     config = Config(

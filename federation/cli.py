@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import importlib
 import importlib.util
 import json
@@ -32,12 +31,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
+import pydantic
 
 from core import credential, mtls, pki, runtime, wire
 from core.config import ConfigError, SiteConfig, load
 from core.gpus import PROFILES
 from core.policy import POLICIES
 from core.processes import PortRangeError, StartFailed, free_port_block, port_range
+from core.settings import describe
 from federation import admin, check, control, status_view, watch
 from federation.throwaway_ca import operator_tls
 
@@ -283,12 +284,14 @@ def _site_controls(federation: Federation, jobs: queue.Queue) -> control.Handler
         if not isinstance(spec, dict):
             return {"error": f"a site to add must be an object, not {spec!r}"}
         try:
-            site = SiteConfig(str(spec["name"]), str(spec["region"]), str(spec["gpu"]), int(spec["gpus"]), 0)
-        except (KeyError, TypeError, ValueError) as exc:
-            return {"error": f"a site needs name, region, gpu and gpus: {exc}"}
-        if site.gpu not in PROFILES or site.gpus < 1 or not site.name:
+            fields = {key: spec[key] for key in ("name", "region", "gpu", "gpus")}
+            site = SiteConfig(**fields, agent_port=free_port_block(1))
+        except KeyError as exc:
+            return {"error": f"a site needs name, region, gpu and gpus: {exc} is missing"}
+        except pydantic.ValidationError as exc:
+            return {"error": describe(exc, "the site")}
+        if not site.name:
             return {"error": f"a site needs a name, a GPU ({', '.join(sorted(PROFILES))}) and at least 1 GPU"}
-        site = dataclasses.replace(site, agent_port=free_port_block(1))
 
         def start() -> dict:
             federation.add_site(site)

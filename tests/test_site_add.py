@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import socket
 from collections import Counter
 from pathlib import Path
@@ -14,6 +15,7 @@ import openai
 import pytest
 
 from core.processes import Child, start_python
+from federation.cli import _site_controls
 from tests.conftest import SITES, fedctl
 from tests.test_federation import MODEL, _config
 
@@ -96,3 +98,20 @@ def test_site_add_without_a_running_federation_says_so(tmp_path: Path) -> None:
     path, _ = _config(tmp_path, SITES)
     proc = fedctl("site", "add", *NEWCOMER, "--config", str(path))
     assert proc.returncode == 1 and "start the federation with `fedctl up` first" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("site", "said"),
+    [
+        ({"name": "eu", "region": "eu-central-1", "gpu": "h100", "gpus": 8}, "the site: gpu: Input should be"),
+        ({"name": "eu", "region": "eu-central-1", "gpu": "mi355x", "gpus": 0}, "the site: gpus: Input should be"),
+        ({"name": "eu", "region": "eu-central-1", "gpu": "mi355x", "gpus": "8"}, "the site: gpus"),
+        ({"name": "eu", "gpu": "mi355x", "gpus": 8}, "'region' is missing"),
+    ],
+)
+def test_a_site_to_add_is_checked_as_the_config_checks_a_site(site: dict, said: str) -> None:
+    """What `fedctl site add` sends the running `fedctl up` is a site of the config's one schema
+    (core.config.SiteConfig): a bad one is refused with the field named, and nothing starts."""
+    handle = _site_controls(None, queue.Queue())  # type: ignore[arg-type]  # nothing may start
+    reply = handle({"command": "add_site", "site": site})
+    assert said in reply["error"], reply
