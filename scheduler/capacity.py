@@ -126,7 +126,8 @@ class CapacityEstimator:
     profile: GpuProfile | None = None  # the declared GPU's step model: what the accounting is read with
     gpus: int = 0
     clock_speed: float = 1.0  # the site's declared clock (1: real GPUs)
-    mix: WorkloadMix | None = None  # the federation's workload; None: the reference one
+    mix: WorkloadMix | None = None  # the workloads the sites run; None: the reference one
+    site: str = ""  # whose mix in `mix` this estimate is scaled to
     evidence: str = "prior"  # what the estimate last moved on: prior, probe, accounting, saturated
     saturated_for_s: float = 0.0
     above_for_s: float = 0.0  # how long the evidence has stood above the fast bound
@@ -146,10 +147,10 @@ class CapacityEstimator:
 
     @classmethod
     def for_site(
-        cls, gpu: str, gpus: int, mix: WorkloadMix | None = None, clock_speed: float = 1.0
+        cls, gpu: str, gpus: int, mix: WorkloadMix | None = None, clock_speed: float = 1.0, site: str = ""
     ) -> CapacityEstimator:
         prior = prior_capacity_tok_s(gpu, gpus) * clock_speed
-        return cls(prior, prior, PROFILES.get(gpu), gpus, clock_speed, mix)
+        return cls(prior, prior, PROFILES.get(gpu), gpus, clock_speed, mix, site)
 
     @property
     def _tp(self) -> int:
@@ -166,11 +167,11 @@ class CapacityEstimator:
         return self.gpus / tp * full_batch_tok_s(self.profile.tensor_parallel(tp), REFERENCE)
 
     def workload_factor(self) -> float:
-        """What the site delivers on the federation's workload over what it delivers on the
-        reference one (the unit the estimate is kept in)."""
+        """What the site delivers on the workload it runs over what it delivers on the reference
+        one (the unit the estimate is kept in)."""
         if self.profile is None or self.mix is None:
             return 1.0
-        return full_batch_tok_s(self.profile, self.mix.current) / full_batch_tok_s(self.profile, REFERENCE)
+        return full_batch_tok_s(self.profile, self.mix.of(self.site)) / full_batch_tok_s(self.profile, REFERENCE)
 
     def calibrate(self, batch_per_worker: float, context_per_worker: float, tok_s_per_worker: float) -> None:
         """A probe's result, when the site joins: the estimate starts from it instead of the prior."""

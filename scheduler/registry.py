@@ -98,7 +98,7 @@ class Registry:
         self.in_transit_limit_s = timings.in_transit_limit_s
         self.sites: dict[str, Site] = {}
         self.refused: dict[str, RefusedSite] = {}  # by site name, until that site joins
-        self.workload = WorkloadMix()  # what every site's capacity is scaled to
+        self.workload = WorkloadMix()  # what each site's capacity is scaled to
         self.prefixes = PrefixDirectory()  # which site was sent which prompt prefixes (core/prefixes.py)
 
     def refuse(self, name: str, reason: str) -> RegistrationRefused:
@@ -131,7 +131,7 @@ class Registry:
             )
         try:
             clock = reg.clock_speed if reg.clock_speed > 0 else 1.0  # a registration without it: real GPUs
-            estimator = CapacityEstimator.for_site(reg.gpu, reg.gpus, self.workload, clock)
+            estimator = CapacityEstimator.for_site(reg.gpu, reg.gpus, self.workload, clock, reg.name)
             estimator.calibrate(reg.probe_batch, reg.probe_context_tokens, reg.probe_tok_s)
         except KeyError:
             raise self.refuse(reg.name, f"unknown GPU {reg.gpu!r}: use mi300x or mi355x") from None

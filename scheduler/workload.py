@@ -11,10 +11,12 @@ site's proofs in slow start as a slow GPU.
 Learned from every site's reports: the prompt and output tokens of the requests they completed,
 as their clients asked for them (a resumed answer counts once, its said tokens as output: a
 wave of resumes after a failure is the same work re-prefilled, not another workload), and the
-KV tokens per running request. One shape for the whole
-federation: routing does not choose by shape, so every site runs the same mix, and a site
-that just joined has it at once. Until enough has finished, the MLPerf-like shape the GPU
-priors were measured on.
+KV tokens per running request. One shape per site: routing charges each site the prefill a
+request costs at its measured speed, so long prompts go where prefill is cheap, and each site
+runs a mix of its own (measured in the drills: prompts of ~550 tokens at the MI300X site, ~1,130
+at the MI355X one, for a federation-wide ~1,000). A site that has finished too little to say
+(one that just joined) has the federation's mix; until enough has finished anywhere, the
+MLPerf-like shape the GPU priors were measured on.
 """
 
 from __future__ import annotations
@@ -41,33 +43,58 @@ class Workload:
 REFERENCE = Workload(_PROMPT / _OUTPUT, _PROMPT + _OUTPUT * math.exp(_SIGMA**2) / 2.0)
 
 
+@dataclass(slots=True)
+class _Sums:
+    """Decayed sums of finished prompt and output tokens, reported KV tokens and running requests."""
+
+    prompt: float = 0.0
+    output: float = 0.0
+    context: float = 0.0
+    running: float = 0.0
+    at: float = 0.0
+
+    def add(self, prompt: int, output: int, context: int, running: int, now: float) -> None:
+        keep = math.exp(-(now - self.at) / TIME_CONSTANT_S) if self.at else 1.0
+        self.at = now
+        self.prompt = self.prompt * keep + prompt
+        self.output = self.output * keep + output
+        self.context = self.context * keep + context
+        self.running = self.running * keep + running
+
+    def shape(self) -> Workload | None:
+        """The mix these sums say, once they hold enough finished work to say it."""
+        if self.output >= MIN_OUTPUT_TOKENS and self.running >= 1:
+            return Workload(self.prompt / self.output, self.context / self.running)
+        return None
+
+
 class WorkloadMix:
-    """Decayed sums of what the sites finished and of what they hold, updated per report."""
+    """Each site's mix and the federation's, from decayed sums updated per report."""
 
     def __init__(self) -> None:
         self._totals: dict[str, tuple[int, int]] = {}  # site -> its last (prompt, output) counters
-        self._prompt = self._output = 0.0  # decayed sums of finished tokens
-        self._context = self._running = 0.0  # decayed sums of reported KV tokens and running requests
-        self._at = 0.0
-        self.current = REFERENCE
+        self._federation = _Sums()
+        self._sites: dict[str, _Sums] = {}
+        self.current = REFERENCE  # the federation's mix
 
     def observe(self, report: SiteReport, now: float) -> None:
         last = self._totals.get(report.site)
         self._totals[report.site] = (report.prompt_tokens_total, report.generation_tokens_total)
         if last is None:
             return
-        keep = math.exp(-(now - self._at) / TIME_CONSTANT_S) if self._at else 1.0
-        self._at = now
         # A counter lower than before: the agent restarted and counts from 0.
         prompt, output = report.prompt_tokens_total - last[0], report.generation_tokens_total - last[1]
         if prompt < 0 or output < 0:
             prompt, output = report.prompt_tokens_total, report.generation_tokens_total
-        self._prompt = self._prompt * keep + prompt
-        self._output = self._output * keep + output
-        self._context = self._context * keep + report.context_tokens
-        self._running = self._running * keep + report.running_requests
-        if self._output >= MIN_OUTPUT_TOKENS and self._running >= 1:
-            self.current = Workload(self._prompt / self._output, self._context / self._running)
+        for sums in (self._federation, self._sites.setdefault(report.site, _Sums())):
+            sums.add(prompt, output, report.context_tokens, report.running_requests, now)
+        self.current = self._federation.shape() or self.current
+
+    def of(self, site: str) -> Workload:
+        """The mix `site` runs: its own once it has finished enough, else the federation's."""
+        sums = self._sites.get(site)
+        return (sums.shape() if sums else None) or self.current
 
     def forget(self, site: str) -> None:
         self._totals.pop(site, None)
+        self._sites.pop(site, None)

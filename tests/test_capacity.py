@@ -26,8 +26,8 @@ class Site:
     `context` tokens each, `prefill` prompt tokens per step, at `speed` times the pace of
     `runs_as`; its workers' accounting summed as the agent sums it."""
 
-    def __init__(self, runs_as: GpuProfile, workers: int = 16, speed: float = 1.0) -> None:
-        self.runs_as, self.workers, self.speed = runs_as, workers, speed
+    def __init__(self, runs_as: GpuProfile, workers: int = 16, speed: float = 1.0, name: str = "s") -> None:
+        self.runs_as, self.workers, self.speed, self.name = runs_as, workers, speed, name
         self.work = WorkDone()
         self.relayed = 0
         self.loop_cpu_s = 0.0
@@ -61,7 +61,7 @@ class Site:
             self.loop_cpu_s += loop_busy * REPORT_S
             self.at += REPORT_S
             site = SiteReport(
-                "s",
+                self.name,
                 healthy_workers=healthy,
                 total_workers=self.workers,
                 running_requests=round(healthy * batch),
@@ -236,6 +236,35 @@ def test_the_workload_mix_is_learned_from_finished_requests() -> None:
     _steady_mi355x_site(CapacityEstimator.for_site("mi355x", 16, mix), mix, SHORT_ANSWERS, 30)
     assert abs(mix.current.prompt_per_output / 5.0 - 1) < 0.01
     assert abs(mix.current.context_per_request / 1100.0 - 1) < 0.01
+
+
+def test_each_site_is_scaled_to_the_mix_it_runs() -> None:
+    """Routing sends long prompts where prefill is cheap, so each site runs a mix of its own:
+    two MI355X sites, one finishing short answers to long prompts and one MLPerf-like work, are
+    each scaled to theirs (the drills measured ~550-token prompts at the MI300X site and ~1,130 at
+    the MI355X one); a site that has finished nothing yet has the federation's mix."""
+    mix = WorkloadMix()
+    long_prompts = CapacityEstimator.for_site("mi355x", 16, mix, site="a")
+    reference = CapacityEstimator.for_site("mi355x", 16, mix, site="b")
+    newcomer = CapacityEstimator.for_site("mi355x", 16, mix, site="c")
+    batch = PROFILES["mi355x"].max_running_requests
+    a, b = Site(PROFILES["mi355x"], name="a"), Site(PROFILES["mi355x"], name="b")
+    for _ in range(30):  # the two sites report side by side, a second at a time
+        a.run(long_prompts, 1, batch, SHORT_ANSWERS.context_per_request, batch * 5.0, mix=mix, slots=16 * batch)
+        b.run(
+            reference,
+            1,
+            batch,
+            REFERENCE.context_per_request,
+            batch * REFERENCE.prompt_per_output,
+            mix=mix,
+            slots=16 * batch,
+        )
+    assert abs(mix.of("a").prompt_per_output / 5.0 - 1) < 0.01
+    assert abs(mix.of("b").prompt_per_output / REFERENCE.prompt_per_output - 1) < 0.01
+    assert mix.of("c") == mix.current  # between the two: what both finished
+    assert long_prompts.workload_factor() < newcomer.workload_factor() < reference.workload_factor()
+    assert long_prompts.workload_factor() < 0.7 and abs(reference.workload_factor() - 1) < 0.01
 
 
 def test_capacity_follows_the_shape_of_the_work() -> None:

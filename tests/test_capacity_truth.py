@@ -17,7 +17,7 @@ import pytest
 
 from core.config import load
 from federation.bench.client import Result
-from federation.bench.truth import TruthLine, relative_error, site_truth_tok_s, workload_of
+from federation.bench.truth import TruthLine, relative_error, site_truth_tok_s, site_workloads, workload_of
 from federation.bench.workload import MLPERF_LIKE_OUTPUTS, MLPERF_LIKE_PROMPTS, LengthDistribution
 from federation.drills import timeline
 from federation.drills.faults import SiteBrownout, SiteJoin, SitePartition, Starver
@@ -68,15 +68,34 @@ def test_a_drills_truth_follows_its_fault() -> None:
     kr, us = site_truth_tok_s("mi300x", 16, work), site_truth_tok_s("mi355x", 16, work)
     brownout = SiteBrownout("us-mi355x", None)  # type: ignore[arg-type]  # the truth reads no target
     brownout.slowdown = 4.0
-    truth = _truth(config, brownout, work, None)
+    truth = _truth(config, brownout, work, {}, {}, None)
     assert truth.at("us-mi355x", -5.0) == pytest.approx(us) and truth.at("us-mi355x", 1.0) == pytest.approx(us / 4)
     assert truth.at("kr-mi300x", -5.0) == truth.at("kr-mi300x", 30.0) == pytest.approx(kr)
-    truth = _truth(config, SitePartition("kr-mi300x", None), work, 20.0)  # type: ignore[arg-type]
+    truth = _truth(config, SitePartition("kr-mi300x", None), work, {}, {}, 20.0)  # type: ignore[arg-type]
     assert [truth.at("kr-mi300x", t) for t in (-1.0, 0.0, 19.9, 20.0)] == pytest.approx([kr, 0.0, 0.0, kr])
     joined = load(None)
     joined = joined.with_gpus({"us-mi355x": 8})  # stands in for a third site: its truth starts at the fault
-    truth = _truth(joined, SiteJoin("us-mi355x", None), work, None)  # type: ignore[arg-type]
+    truth = _truth(joined, SiteJoin("us-mi355x", None), work, {}, {}, None)  # type: ignore[arg-type]
     assert truth.at("us-mi355x", -1.0) is None and truth.at("us-mi355x", 0.5) == pytest.approx(us / 2)
+
+
+def test_each_sites_truth_is_on_the_mix_it_completed() -> None:
+    """Routing sends long prompts where prefill is cheap: the MI300X site of a drill completed
+    ~550-token prompts where the run's were ~1,000, so its truth is on its own mix, before the
+    fault and after it; a site that completed too little to say has the run's."""
+    work = workload_of(MLPERF_LIKE_PROMPTS, LengthDistribution(200, 0.0))
+    short, long = Workload(2.75, 650.0), Workload(5.6, 1230.0)
+    results = [Result(i, 0.0, 0.1, 1.0, 200, "kr-mi300x", prompt_tokens=550) for i in range(20)]
+    results += [Result(i, 0.0, 0.1, 1.0, 200, "us-mi355x", prompt_tokens=1120, cut=True) for i in range(20)]
+    mixes = site_workloads(results)
+    assert set(mixes) == {"kr-mi300x"}  # the US answers were cut: no whole one to say its mix by
+    mix = mixes["kr-mi300x"]
+    assert (mix.prompt_per_output, mix.context_per_request) == pytest.approx((550 / 200, 550 + 200 / 2))
+    truth = _truth(_config(), SiteBrownout("us-mi355x", None), work, {"kr-mi300x": short}, {"kr-mi300x": long}, None)  # type: ignore[arg-type]
+    kr = truth.at("kr-mi300x", -5.0), truth.at("kr-mi300x", 5.0)
+    assert kr == pytest.approx((site_truth_tok_s("mi300x", 16, short), site_truth_tok_s("mi300x", 16, long)))
+    assert kr[0] > site_truth_tok_s("mi300x", 16, work) > kr[1]  # less prefill per answer, more answers
+    assert truth.at("us-mi355x", -5.0) == pytest.approx(site_truth_tok_s("mi355x", 16, work))
 
 
 def test_capacity_error_counts_ready_bins_with_a_truth_in_its_windows() -> None:

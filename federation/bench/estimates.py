@@ -5,7 +5,7 @@ A thread asks the schedulers for their sites' state every half second (what `fed
 reads) while the federation runs. `capacity_error` then compares, over a run's measured
 window (a sustained run's window; Offline's steady window; a Server run's arrivals), each
 sample's estimate of each READY site (wall tok/s ÷ speed: GPU time) with the site's truth on
-the bench's workload: {site: {mean, max, bins}}, `bins` the samples counted. A site with none
+the workload it ran (truth.py): {site: {mean, max, bins}}, `bins` the samples counted. A site with none
 is left out. Runs with no scheduler (`--peers`: the sglang-router) have no such key; against
 `--endpoint` the truth is unknown, and the report says so (`capacity_error` null,
 `capacity_error_note`).
@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
 
 from core.wire import SiteState, SiteStatus
-from federation.bench.truth import relative_error
+from federation.bench.truth import relative_error, site_truth_tok_s
+from scheduler.workload import Workload
 
 SAMPLE_INTERVAL_S = 0.5  # as a drill's sampler: several samples within the estimator's 5-s time constant
 NO_TRUTH = "unknown: --endpoint measures a federation whose GPUs' truth the bench cannot know"
@@ -35,10 +36,12 @@ class Estimates:
 
 @dataclass
 class EstimateSampler:
-    """Samples `states()` until stopped; `truth`: each site's, GPU-time tok/s."""
+    """Samples `states()` until stopped; `gpus`: each site's GPU type and count, whose truth is
+    measured on the workload the site ran (the run's `work` when it ran too little to say)."""
 
     states: Callable[[], dict[str, SiteState]]
-    truth: dict[str, float]
+    gpus: dict[str, tuple[str, int]]
+    work: Workload
     speed: float
     samples: list[Estimates] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -65,13 +68,17 @@ class EstimateSampler:
                 self.samples.append(Estimates(asked, ready))
             self._stop.wait(max(0.0, SAMPLE_INTERVAL_S - (time.monotonic() - asked)))
 
-    def capacity_error(self, window: tuple[float, float] | None) -> dict[str, dict[str, float | int]]:
-        """Per site, the relative error of its samples within `window` (time.monotonic())."""
+    def capacity_error(
+        self, window: tuple[float, float] | None, works: Mapping[str, Workload] | None = None
+    ) -> dict[str, dict[str, float | int]]:
+        """Per site, the relative error of its samples within `window` (time.monotonic()) against
+        its truth on `works`' mix for it (truth.site_workloads)."""
         if window is None:
             return {}
         inside = [s for s in self.samples if window[0] <= s.at <= window[1]]
         out = {}
-        for site, truth in sorted(self.truth.items()):
+        for site, (gpu, gpus) in sorted(self.gpus.items()):
+            truth = site_truth_tok_s(gpu, gpus, (works or {}).get(site, self.work))
             pairs = [(s.ready_tok_s[site] / self.speed, truth) for s in inside if site in s.ready_tok_s]
             error = relative_error(pairs)
             if error is not None:

@@ -36,9 +36,10 @@ from core.policy import POLICIES
 from core.processes import free_port_block
 from federation import admin
 from federation.bench import conversations, datapath, scenarios
+from federation.bench.client import Result
 from federation.bench.estimates import NO_TRUTH, EstimateSampler
 from federation.bench.peers import ROUTER_POLICIES, FlatRouter
-from federation.bench.truth import site_truth_tok_s, workload_of
+from federation.bench.truth import site_workloads, workload_of
 from federation.bench.workload import (
     MLPERF_LIKE_OUTPUTS,
     MLPERF_LIKE_PROMPTS,
@@ -259,12 +260,12 @@ def _offline(
     if args.sustain_s is None:
         results = scenarios.run_plan(endpoint, scenarios.offline_plan(samples), args.max_in_flight, label)
         summary = scenarios.summarize(results, scenario="offline", policy=label, speed=speed)
-        return _with_error(summary, estimates, scenarios.steady_window(results))
+        return _with_error(summary, estimates, scenarios.steady_window(results), results)
     sustain = scenarios.Sustain(args.warmup_s, args.sustain_s, cut_at_end=True)
     results, window = scenarios.run_sustained(endpoint, samples, args.max_in_flight, sustain, speed, label)
     summary = scenarios.summarize(results, scenario="offline", policy=label, speed=speed, window=window)
     summary = {**summary, "sustained": {"warmup_s": sustain.warmup_s, "window_s": sustain.window_s}}
-    return _with_error(summary, estimates, window)
+    return _with_error(summary, estimates, window, results)
 
 
 def _conversations(endpoint: str, args: argparse.Namespace, speed: float, label: str) -> dict[str, Any]:
@@ -293,14 +294,21 @@ def _server(
     }
     summary = {**summary, "meets_limits": scenarios.meets_server_limits(summary)}
     arrivals = [r.started for r in results]  # what served_rate is measured over
-    return _with_error(summary, estimates, (min(arrivals), max(arrivals)) if arrivals else None)
+    return _with_error(summary, estimates, (min(arrivals), max(arrivals)) if arrivals else None, results)
 
 
 def _with_error(
-    summary: dict[str, Any], estimates: EstimateSampler | None, window: tuple[float, float] | None
+    summary: dict[str, Any],
+    estimates: EstimateSampler | None,
+    window: tuple[float, float] | None,
+    results: list[Result],
 ) -> dict[str, Any]:
-    """The run's summary with its `capacity_error` (see estimates.py), when the schedulers were watched."""
-    return summary if estimates is None else {**summary, "capacity_error": estimates.capacity_error(window)}
+    """The run's summary with its `capacity_error` (see estimates.py), when the schedulers were
+    watched: each site against its truth on the mix it completed in the window."""
+    if estimates is None:
+        return summary
+    inside = [r for r in results if window is None or window[0] <= r.finished <= window[1]]
+    return {**summary, "capacity_error": estimates.capacity_error(window, site_workloads(inside))}
 
 
 def _search(
@@ -349,8 +357,8 @@ def _federation(config: Config, insecure: bool, work: Workload) -> Callable[[IO[
     @contextlib.contextmanager
     def start(log: IO[str] | None) -> Iterator[Started]:
         federation = Federation(config, log, insecure=insecure)
-        truth = {s.name: site_truth_tok_s(s.gpu, s.gpus, work) for s in config.sites}
-        estimates = EstimateSampler(_states_of(config.scheduler_addresses, federation), truth, config.speed)
+        gpus = {s.name: (s.gpu, s.gpus) for s in config.sites}
+        estimates = EstimateSampler(_states_of(config.scheduler_addresses, federation), gpus, work, config.speed)
         try:
             federation.up()
             estimates.start()

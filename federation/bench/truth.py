@@ -7,9 +7,12 @@ slowdown a brownout puts on its steps:
     truth = healthy GPUs × full_batch_tok_s(PROFILES[gpu], W) ÷ slowdown
 
 in GPU-time output tokens/s (the unit drills and benches report rates in: wall tok/s ÷ speed),
-where W is the run's workload as `scheduler.workload` reads one: prompt tokens per output token
-E[prompt]/E[out], and the KV a running request holds, E[prompt] + E[out²]/(2·E[out]) (long
-answers stay in the batch longer). An operator's federation (`--endpoint`) has no known truth.
+where W is the workload the site runs as `scheduler.workload` reads one: prompt tokens per
+output token E[prompt]/E[out], and the KV a running request holds, E[prompt] + E[out²]/(2·E[out])
+(long answers stay in the batch longer). Each site's own: routing sends long prompts where
+prefill is cheap, so the sites' mixes differ from the run's (`site_workloads`, from the answers
+each completed; the run's for a site that completed too few). An operator's federation
+(`--endpoint`) has no known truth.
 
 `capacity_error` is the relative error |estimate − truth| / truth of a site's estimate, one
 value per sample (a drill: per one-second bin of its timeline), taken only where the site is
@@ -27,9 +30,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from core.gpus import PROFILES
+from federation.bench.client import Result
 from federation.bench.workload import LengthDistribution
 from scheduler.capacity import full_batch_tok_s
 from scheduler.workload import Workload
+
+# Output tokens a site must have completed in a window for its own mix to be its truth's.
+MIN_SITE_OUTPUT_TOKENS = 2_000
 
 
 def mean_square(d: LengthDistribution) -> float:
@@ -42,6 +49,24 @@ def mean_square(d: LengthDistribution) -> float:
 def workload_of(prompt: LengthDistribution, output: LengthDistribution) -> Workload:
     """The run's workload as the GPU model reads it (see the module docstring)."""
     return Workload(prompt.mean / output.mean, prompt.mean + mean_square(output) / (2.0 * output.mean))
+
+
+def site_workloads(results: Iterable[Result]) -> dict[str, Workload]:
+    """Each site's mix, from the answers it completed whole (a cut or failed one is not one);
+    a site with fewer than MIN_SITE_OUTPUT_TOKENS of them is left out."""
+    sums: dict[str, list[float]] = {}  # site -> [answers, prompt, output, output squared]
+    for r in results:
+        if r.error is None and not r.cut and r.output_tokens > 0:
+            s = sums.setdefault(r.site, [0.0, 0.0, 0.0, 0.0])
+            s[0] += 1
+            s[1] += r.prompt_tokens
+            s[2] += r.output_tokens
+            s[3] += r.output_tokens**2
+    return {
+        site: Workload(prompt / output, prompt / n + square / (2.0 * output))
+        for site, (n, prompt, output, square) in sums.items()
+        if output >= MIN_SITE_OUTPUT_TOKENS
+    }
 
 
 def site_truth_tok_s(gpu: str, healthy_gpus: int, work: Workload, slowdown: float = 1.0) -> float:

@@ -24,7 +24,8 @@ what a site's truth is). `capacity_error`: {site: {mean, max, bins}}, the relati
 |estimate − truth| / truth of the site's measured capacity, one value per one-second bin,
 over the before window and from 10 s after the fault to the end of the load, in bins where
 the schedulers had the site READY throughout and its truth is above 0 (a site with no such
-bin is left out); the fault changes the hit site's truth by its `capacity_factor` (a
+bin is left out); each site's truth is on the mix it completed in that window; the fault
+changes the hit site's truth by its `capacity_factor` (a
 partition until its heal; an added site has one from the fault). `capacity_truth_before` and
 `capacity_truth_after`: each site's truth, averaged as `capacity_before`/`capacity_after`
 are. With `--endpoint` the truth is unknown: `capacity_error` is null and
@@ -47,7 +48,7 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ from federation import admin
 from federation.bench import scenarios
 from federation.bench.client import Result
 from federation.bench.run import bench_config
-from federation.bench.truth import TruthLine, site_truth_tok_s, workload_of
+from federation.bench.truth import TruthLine, site_truth_tok_s, site_workloads, workload_of
 from federation.bench.workload import MLPERF_LIKE_PROMPTS, LengthDistribution, Sample, WorkloadSpec
 from federation.drills import timeline
 from federation.drills.dashboard_marks import DashboardMarks
@@ -189,8 +190,9 @@ The estimator against the truth (embedded default only; with --endpoint the trut
   capacity_error        {site: {mean, max, bins}}: |estimate - truth| / truth of the schedulers'
                         capacity for the site, per 1-s bin in which they had it READY, over the
                         before window and from 10 s after the fault to the end of the load.
-                        truth = the site's GPUs x the emulator's full-batch tok/s on the drill's
-                        workload (GPU time); from the fault, the hit site's x what the fault
+                        truth = the site's GPUs x the emulator's full-batch tok/s on the mix
+                        of prompts and answers it completed (before the fault, and from 10 s
+                        after it; GPU time); from the fault, the hit site's x what the fault
                         leaves of it (worker loss 12/16, brownout 1/slowdown, crash 0; a
                         partition until its heal). null with --endpoint (capacity_error_note)
   capacity_truth_before, capacity_truth_after
@@ -536,7 +538,11 @@ def _under_load(
         line.marks[SECOND_MARKS.get(args.scenario, "heal")] = heal_at - fault_at
     healed_s = heal_at - fault_at if heal_at is not None else None
     if target.federation is not None:
-        line.set_truth(_truth(target.federation.config, fault, workload_of(MLPERF_LIKE_PROMPTS, output), healed_s))
+        # Each site's truth on the mix it ran before the fault and the one it ran after (truth.py).
+        before = site_workloads(r for r in results if fault_at - args.before_s <= r.finished <= fault_at)
+        after = site_workloads(r for r in results if r.finished >= fault_at + ESTIMATE_SETTLE_S)
+        work = workload_of(MLPERF_LIKE_PROMPTS, output)
+        line.set_truth(_truth(target.federation.config, fault, work, before, after, healed_s))
     report = _report(args, site, results, line, fault, detection_s, healed_s, counters_before, counters_after)
     report.update(_against_truth(report, line, args, healed_s, known=target.federation is not None))
     report["detection_polled_s"] = round(polled_s, 3) if polled_s is not None else None  # when the poll saw it
@@ -553,21 +559,33 @@ def _under_load(
     return report
 
 
-def _truth(config: Config, fault: Fault, work: Workload, healed_s: float | None) -> TruthLine:
-    """Each site's truth through the drill (wall s from the fault): its GPUs on the drill's
-    workload from the start; from the fault, the hit site's times the fault's capacity factor,
-    until a heal that restores it (a partition's); an added site's from the fault on."""
+def _truth(
+    config: Config,
+    fault: Fault,
+    work: Workload,
+    before: Mapping[str, Workload],
+    after: Mapping[str, Workload],
+    healed_s: float | None,
+) -> TruthLine:
+    """Each site's truth through the drill (wall s from the fault): its GPUs on the mix it ran
+    before the fault, and from the fault on the mix it ran after it (the drill's `work` for a
+    site that completed too little to say); from the fault, the hit site's times the fault's
+    capacity factor, until a heal that restores it (a partition's); an added site's from the
+    fault on."""
     truth = TruthLine()
     for s in config.sites:
-        whole = site_truth_tok_s(s.gpu, s.gpus, work)
+        whole = site_truth_tok_s(s.gpu, s.gpus, before.get(s.name, work))
+        later = site_truth_tok_s(s.gpu, s.gpus, after.get(s.name, before.get(s.name, work)))
         if isinstance(fault, SiteJoin) and s.name == fault.site:
-            truth.set(s.name, 0.0, whole)
+            truth.set(s.name, 0.0, later)
             continue
         truth.set(s.name, -math.inf, whole)
         if s.name == fault.site and fault.capacity_factor is not None:
-            truth.set(s.name, 0.0, whole * fault.capacity_factor)
+            truth.set(s.name, 0.0, later * fault.capacity_factor)
             if healed_s is not None:
-                truth.set(s.name, healed_s, whole)
+                truth.set(s.name, healed_s, later)
+        else:
+            truth.set(s.name, 0.0, later)
     return truth
 
 
