@@ -183,4 +183,6 @@ def test_a_starved_agent_loses_nothing_and_is_left_running(tmp_path: Path) -> No
     _measured_against_truth(report, {"kr-mi300x", "us-mi355x"})
     assert report["site_capacity_error"] == report["capacity_error"]["us-mi355x"]
     assert report["capacity_error"]["us-mi355x"]["bins"] >= 3  # the before window's and after 10 s
-    assert report["capacity_truth_after"] == report["capacity_truth_before"]  # its GPUs lost nothing
+    # Its GPUs lost nothing: its truth moves only with the mix it ran (each site's own, 5cacced).
+    before, after = report["capacity_truth_before"]["us-mi355x"], report["capacity_truth_after"]["us-mi355x"]
+    assert abs(after / before - 1) < 0.25, (before, after)
