@@ -124,9 +124,7 @@ def expand(argv: Sequence[str], program: str) -> list[str]:
     command line for this process, the rest of `argv` overriding it; `argv` itself without
     `--config`. A file that cannot be used is a usage error (exit 2) with the config's message."""
     pre = argparse.ArgumentParser(prog=f"python -m {program}", add_help=False)
-    pre.add_argument("--config", type=Path, default=None)
-    if program == "scheduler":
-        pre.add_argument("--replica", type=int, default=0)
+    add_config_argument(pre, replica=program == "scheduler")
     known, rest = pre.parse_known_args(list(argv))
     if known.config is None:
         return list(argv)

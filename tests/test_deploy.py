@@ -18,10 +18,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from core import deployment, pki
+from core import deployment
 from core.processes import PROJECT_ROOT
 from core.recipes import DEFAULT_RECIPES, load_recipes
-from federation.gateway import keys
+from tests.test_deployment import _operator_files
 
 DEPLOY = PROJECT_ROOT / "deploy"
 K8S = DEPLOY / "k8s"
@@ -51,11 +51,7 @@ needs_compose = pytest.mark.skipif(
 def made(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The CA, every certificate and the API keys file, laid out as fedctl lays them out."""
     root = tmp_path_factory.mktemp("operator")
-    ca = pki.init_ca(root / "federation-ca")
-    for identity in (pki.SCHEDULER, pki.GATEWAY, pki.OPERATOR, *(pki.Identity(pki.Role.SITE, s) for s in SITES)):
-        pki.issue(ca, identity, root / "certs")
-    (root / "keys").mkdir()
-    keys.add(root / "keys" / "federation-keys.json", "me", keys.KeyLimits())
+    _operator_files(root)
     (root / "deploy").mkdir()
     shutil.copy(DEPLOY / "federation.yaml", root / "deploy")  # its paths lead to the files above
     return root
