@@ -364,14 +364,16 @@ async def test_short_sequences_fill_the_sliding_window_pool_first(run_engine) ->
     engine.submit(seq)
     await seq.first_token
     await asyncio.sleep(0.05)
-    out, pools = engine.generated_tokens(seq), engine.pool_usage()
+    now = engine.now()  # one instant for both reads: the clock moves between two calls
+    out, pools = engine.generated_tokens(seq, now), engine.pool_usage(now)
     assert 1 < out < 200 and pools.full_used == pools.swa_used == 50 + out
     assert (pools.full_capacity, pools.swa_capacity) == (10_000, 8_000)
     assert pools.usage == pools.swa_used / 8_000 and pools.num_used_tokens == 50 + out
     reached = asyncio.get_running_loop().create_future()
     engine.call_at_tokens(seq, 600, lambda: reached.done() or reached.set_result(None))
     await reached
-    out, pools = engine.generated_tokens(seq), engine.pool_usage()
+    now = engine.now()  # one instant for both reads: the clock moves between two calls
+    out, pools = engine.generated_tokens(seq, now), engine.pool_usage(now)
     assert (pools.full_used, pools.swa_used) == (50 + out, 50 + 255)
     assert pools.usage == pools.full_used / 10_000
     engine.abort(seq, "done")

@@ -220,9 +220,9 @@ class Engine:
         steps = self.steps_at(self._loop.time())
         return self.pools.full_used(self._running_context(steps))
 
-    def pool_usage(self) -> PoolUsage:
-        """Both KV pools now: in use, evictable, capacity."""
-        steps = self.steps_at(self._loop.time())
+    def pool_usage(self, now: float | None = None) -> PoolUsage:
+        """Both KV pools at `now` (the engine's clock by default): in use, evictable, capacity."""
+        steps = self.steps_at(self._loop.time() if now is None else now)
         return self.pools.usage(self._running_context(steps), self.steps, steps - self.steps)
 
     def _running_context(self, steps: int) -> int:
