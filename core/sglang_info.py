@@ -62,9 +62,56 @@ class ServerArgs:
     disaggregation_mode: str = "null"
     weight_version: str = "default"
     preferred_sampling_params: str | None = None
+    max_total_tokens: int | None = None
+    page_size: int = 1
+    disable_radix_cache: bool = False
+    schedule_conservativeness: float = 1.0
+    radix_eviction_policy: str = "lru"
+    radix_eviction_policy_config: str | None = None
+    enable_cache_report: bool = False
+    swa_full_tokens_ratio: float = 0.8
+    disable_hybrid_swa_memory: bool = False
+    enable_mixed_chunk: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def read(cls, body: Mapping[str, Any]) -> ServerArgs:
+        """The server args in a `/server_info` body, as a client of a worker reads them: each
+        field of ours that the body gives with the right type, the default (or "" for a name)
+        for one it leaves out or gives wrong."""
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            value = body.get(f.name)
+            if _is(value, f.type):
+                values[f.name] = value
+            elif f.default is dataclasses.MISSING:
+                values[f.name] = ""
+        return cls(**values)
+
+
+def _is(value: Any, annotation: Any) -> bool:
+    """Whether `value` fits a field annotated `annotation` (one of ServerArgs' few: str, int,
+    float, bool, each maybe `| None`); a bool is not an int here, an int is a float."""
+    kinds = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "None": (type(None),)}
+    for name in str(annotation).split(" | "):
+        if isinstance(value, kinds[name]) and not (isinstance(value, bool) and name != "bool"):
+            return True
+    return False
+
+
+def max_running_requests(body: Mapping[str, Any]) -> int | None:
+    """How many requests a server runs at once, from its `/server_info`: SGLang's effective limit
+    per DP rank (in `internal_states`; the server argument may be unset) times its DP ranks; None
+    when it does not say."""
+    states = body.get("internal_states")
+    first = states[0] if isinstance(states, list) and states and isinstance(states[0], Mapping) else {}
+    effective = first.get("effective_max_running_requests_per_dp")
+    limit = effective if _is(effective, "int") else body.get("max_running_requests")
+    dp_size = body.get("dp_size")
+    dp = dp_size if isinstance(dp_size, int) and not isinstance(dp_size, bool) and dp_size > 0 else 1
+    return limit * dp if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
 
 
 def model_info(args: ServerArgs, *, is_generation: bool = True) -> dict[str, Any]:
@@ -120,18 +167,24 @@ def server_info(
 class Load:
     """One DP rank's core section of `/v1/loads` (SGLang's `GetLoadsReqOutput`)."""
 
-    dp_rank: int
     timestamp: float  # Unix seconds the numbers were taken at
+    dp_rank: int
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
+    num_waiting_uncached_tokens: int = 0  # the queue's prompt tokens the cache will not cover
     num_used_tokens: int = 0
     num_total_tokens: int = 0  # used tokens plus those waiting to be prefilled
+    num_active_tokens: int = 0  # num_total_tokens less those awaiting a KV transfer (disaggregation)
+    num_prealloc_ready_tokens: int = 0
     max_total_num_tokens: int = 0
+    max_running_requests: int = 0
     token_usage: float = 0.0
     gen_throughput: float = 0.0
     cache_hit_rate: float = 0.0
     utilization: float = 0.0
-    max_running_requests: int = 0
+    total_prefill_uncached_tokens: int = 0  # a counter since start
+    total_prefill_busy_us: int = 0  # a counter since start
+    decode_moments: tuple[float, ...] | None = None  # decode step-time moment sums
     extra: Mapping[str, Any] = field(default_factory=dict)  # beside SGLang's keys
 
     def as_dict(self) -> dict[str, Any]:
@@ -140,6 +193,7 @@ class Load:
         body["gen_throughput"] = round(self.gen_throughput, 2)
         body["cache_hit_rate"] = round(self.cache_hit_rate, 4)
         body["utilization"] = round(self.utilization, 4)
+        body["decode_moments"] = None if self.decode_moments is None else list(self.decode_moments)
         return _beside(body, self.extra)
 
 
@@ -215,16 +269,16 @@ def loads_body(
 
 def loads_prometheus(loads: Sequence[Load]) -> str:
     """`/v1/loads?format=prometheus`: each numeric core field a gauge `sglang_<field>`, labelled
-    with its dp_rank (SGLang's exposition of the same numbers)."""
+    with its dp_rank (SGLang's exposition of the same numbers; what is not a number, such as
+    `decode_moments`, is left out as SGLang leaves it)."""
     lines: list[str] = []
     names = [f.name for f in dataclasses.fields(Load) if f.name not in ("dp_rank", "extra")]
     for name in names:
-        lines.append(f"# TYPE sglang_{name} gauge")
-        for load in loads:
-            value = load.as_dict()[name]
-            if isinstance(value, float) and not math.isfinite(value):
-                continue
-            lines.append(f'sglang_{name}{{dp_rank="{load.dp_rank}"}} {value}')
+        samples = [(load.dp_rank, load.as_dict()[name]) for load in loads]
+        numbers = [(rank, v) for rank, v in samples if _is(v, "float") and math.isfinite(v)]
+        if numbers:
+            lines.append(f"# TYPE sglang_{name} gauge")
+            lines.extend(f'sglang_{name}{{dp_rank="{rank}"}} {value}' for rank, value in numbers)
     return "\n".join(lines) + "\n"
 
 

@@ -252,7 +252,13 @@ def test_kubernetes_manifests_match_the_api_schemas() -> None:
                     f"{path.relative_to(PROJECT_ROOT)}: {doc['kind']} {doc['metadata']['name']}: {where}: {exc.message}"
                 )
     kinds = sorted({doc["kind"] for _, doc in _manifests()})
-    assert kinds == ["Deployment", "Namespace", "PodDisruptionBudget", "Service", "StatefulSet"]  # ConfigMaps: the guide makes them
+    assert kinds == [
+        "Deployment",
+        "Namespace",
+        "PodDisruptionBudget",
+        "Service",
+        "StatefulSet",
+    ]  # ConfigMaps: the guide makes them
 
 
 def test_kubernetes_pods_are_unprivileged_bounded_and_probed() -> None:

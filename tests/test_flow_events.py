@@ -1,5 +1,5 @@
 """The middle of an answer reaches the client as the same events whichever way it is read: a
-plain streamed completion's chunks from the batch's columns (`Answer.flowed`, no Chunk built)
+plain streamed completion's chunks from the batch's columns (`CompletionAnswer.flowed`, no Chunk built)
 are byte for byte what a whole delta's chunk makes (`Answer.add`, `chunk_events`), with the
 same answer kept; any other answer (a chat, /generate, logprobs asked) takes the whole path and
 comes out the same too."""
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core import wire
+from federation.gateway.answers import answer_for
 from federation.gateway.pieces import Chunk, Job
-from federation.gateway.responses import Answer
 
 _chunks = st.lists(
     st.tuples(st.text(max_size=12), st.lists(st.integers(0, 201_087), max_size=3).map(tuple)), min_size=1, max_size=12
@@ -35,7 +35,7 @@ _JOBS = {
 @settings(deadline=None)  # the first chat loads openai-harmony
 @given(_chunks, st.sampled_from(sorted(_JOBS)))
 def test_the_middle_of_an_answer_is_the_same_events_read_from_the_columns(chunks, kind: str) -> None:
-    flowed, whole = Answer(_JOBS[kind]), Answer(_JOBS[kind])
+    flowed, whole = answer_for(_JOBS[kind]), answer_for(_JOBS[kind])
     whole.created = flowed.created
     produced = 0
     for text, ids in chunks:
@@ -43,5 +43,5 @@ def test_the_middle_of_an_answer_is_the_same_events_read_from_the_columns(chunks
         chunk = Chunk(text, ids, produced, None, "us-mi355x")
         whole.add(chunk)
         assert flowed.flowed(text, ids, produced, "us-mi355x", 0.0) == whole.chunk_events(chunk, 0.0)
-    kept = ("text", "output_ids", "completion_tokens", "site")
-    assert [getattr(flowed, k) for k in kept] == [getattr(whole, k) for k in kept]
+    kept = ("text_parts", "output_ids", "completion_tokens", "site")
+    assert [getattr(flowed, k, None) for k in kept] == [getattr(whole, k, None) for k in kept]

@@ -67,11 +67,34 @@ def test_max_req_input_len_is_sglangs() -> None:
 
 def test_a_load_rounds_as_sglang_and_says_itself_in_prometheus() -> None:
     """Fractions rounded as SGLang rounds them; the Prometheus form one gauge per field, by rank."""
-    load = Load(3, 1.0, num_running_reqs=2, token_usage=0.123456, gen_throughput=10.005, utilization=2 / 3)
+    load = Load(
+        timestamp=1.0, dp_rank=3, num_running_reqs=2, token_usage=0.123456, gen_throughput=10.005, utilization=2 / 3
+    )
     body = load.as_dict()
     assert body["token_usage"] == 0.1235 and body["utilization"] == 0.6667 and body["dp_rank"] == 3
     text = sglang_info.loads_prometheus([load])
     assert '# TYPE sglang_num_running_reqs gauge\nsglang_num_running_reqs{dp_rank="3"} 2\n' in text
+    assert "sglang_decode_moments" not in text  # not a number: SGLang leaves it out too
+
+
+def test_a_client_reads_what_a_server_info_says_and_nothing_of_the_wrong_type() -> None:
+    """The agent's reading of a worker's /server_info: SGLang's effective limit per DP rank times
+    its ranks, else the server argument; a field of the wrong type is as if it were not there."""
+    body = {
+        "model_path": "openai/gpt-oss-120b",
+        "tp_size": True,  # a bool is not a size
+        "incremental_streaming_output": "yes",  # nor is a string a flag
+        "enable_mixed_chunk": True,
+        "dp_size": 2,
+        "max_running_requests": 9,
+        "internal_states": [{"effective_max_running_requests_per_dp": 48}],
+    }
+    args = ServerArgs.read(body)
+    assert (args.model_path, args.served_model_name, args.tp_size) == ("openai/gpt-oss-120b", "", 1)
+    assert (args.incremental_streaming_output, args.enable_mixed_chunk) == (False, True)
+    assert sglang_info.max_running_requests(body) == 96
+    assert sglang_info.max_running_requests({"max_running_requests": 9}) == 9
+    assert sglang_info.max_running_requests({"max_running_requests": None, "internal_states": "x"}) is None
 
 
 async def test_the_same_keys_as_the_emulated_worker(mi355x: EmulatorProcess) -> None:
@@ -83,4 +106,4 @@ async def test_the_same_keys_as_the_emulated_worker(mi355x: EmulatorProcess) -> 
         async with http.get(mi355x.urls[0] + "/v1/loads") as resp:
             worker_load = (await resp.json())["loads"][0]
     assert sglang_info.model_info(ARGS).keys() == worker_model.keys()
-    assert Load(0, 0.0).as_dict().keys() <= worker_load.keys()
+    assert Load(timestamp=0.0, dp_rank=0).as_dict().keys() == worker_load.keys()

@@ -25,19 +25,21 @@ import structlog
 from aiohttp import web
 
 from core import wire
-from core.errors import BadRequest, FederationError, RateLimited, RequestTimeout, TooBusy, Unauthorized
+from core.errors import BadRequest, FederationError, RequestTimeout, TooBusy, Unauthorized
 from core.gpus import MODEL_CONTEXT_TOKENS
 from core.mtls import INSECURE, Tls
 from core.policy import PREFIX_AWARE_POLICY
 from core.settings import GatewayTimings
-from federation.gateway import admission, jobs, metrics, spans
+from federation.gateway import admission, jobs, metrics
 from federation.gateway.admission import MAX_HELD, Admission
+from federation.gateway.answers import Answer, answer_for, sse
 from federation.gateway.edge import EdgeLimits
 from federation.gateway.failover import FailoverConfig, Generation, SiteBreakers
-from federation.gateway.keys import KeyLimits, Keys
+from federation.gateway.keys import Keys
 from federation.gateway.limits import Limiter
 from federation.gateway.native_info import NativeInfo
-from federation.gateway.responses import Answer, Collected, SseClient, WriteBatch, sse
+from federation.gateway.record import Arrival, RequestRecord
+from federation.gateway.responses import Collected, SseClient, WriteBatch
 from federation.gateway.schedulers import Schedulers
 from federation.gateway.upstream import Upstream
 
@@ -143,24 +145,19 @@ async def _body(request: web.Request) -> dict[str, Any]:
 async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web.StreamResponse:
     app, config = request.app, request.app[CONFIG_KEY]
     received_unix_s, started = time.time(), time.monotonic()
-    request_id = _request_id(request)
     budget = admission.budget_s(request.headers.get(admission.BUDGET_HEADER), config.ttft_budget_ms)
     job = make_job(
-        await _body(request), request_id=request_id, served_model=config.model, context_tokens=config.context_tokens
+        await _body(request),
+        request_id=_request_id(request),
+        served_model=config.model,
+        context_tokens=config.context_tokens,
     )
-    request_id = job.request.request_id  # /generate's `rid`, when given
+    request_id = job.request.request_id  # the client's X-Request-Id or /generate's `rid`, when given
     if config.policy != PREFIX_AWARE_POLICY:  # a baseline routes blind to caches, at the sites too
         job = dataclasses.replace(job, request=dataclasses.replace(job.request, prefix_hashes=()))
-    holder: tuple[str, KeyLimits] | None = request.get(HOLDER_KEY)
-    key_name = holder[0] if holder else None
-    if holder is not None:
-        try:
-            app[LIMITER_KEY].admit(*holder, job.request.prompt_tokens)
-        except RateLimited:
-            metrics.REFUSED_KEYS.labels("over_limit", key_name).inc()
-            raise
-    bound = log.bind(request_id=request_id, kind=job.kind, stream=job.stream, key=key_name)
-    outcome, answer, error = "error", Answer(job), None
+    arrival = Arrival(request_id, request.path, request.headers, received_unix_s, started)
+    record = RequestRecord(arrival, job, app[LIMITER_KEY], request.get(HOLDER_KEY))
+    answer = answer_for(job)
     route = wire.RouteRequest(
         request_id,
         job.request.prompt_tokens,
@@ -177,7 +174,7 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         timing = f"hop;dur={hop_ms:.2f}, route;dur={route_ms:.2f}"
         return {"X-Request-Id": request_id, "X-Federation-Site": answer.site, "Server-Timing": timing}
 
-    out = SseClient(request, answer, app[WRITES_KEY], headers) if job.stream else Collected(answer)
+    out = SseClient(request, answer, app[WRITES_KEY], headers) if job.stream else Collected(answer, headers)
     generation = Generation(
         job,
         route,
@@ -188,25 +185,9 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         config.failover,
         out,
     )
-    traced = spans.request_started(request.headers, request.path, request_id, job.kind, received_unix_s)
+    outcome, error = "error", None
     try:
-        try:
-            await generation.run()
-        except FederationError as exc:
-            if not isinstance(out, SseClient) or out.response is None:
-                raise  # nothing sent yet: the client gets the error as the response
-            answer.error = exc.message  # after the first byte: an error event, then [DONE]
-            return await out.end(sse(exc.body()))
-        if isinstance(out, Collected):
-            response: web.StreamResponse = _json(answer.body(time.monotonic() - started), headers=headers())
-        else:
-            if out.response is None:  # an answer with nothing to say (no tokens asked for)
-                await out.opened(answer.site)
-            try:
-                closing = answer.closing_events()
-            except FederationError as exc:
-                answer.error, closing = exc.message, sse(exc.body())
-            response = await out.end(closing)
+        response = await _answered(generation, answer, out, started)
         outcome, error = ("error", answer.error) if answer.error else ("ok", None)
         return response
     except asyncio.CancelledError:
@@ -216,46 +197,31 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         error = exc.message
         raise
     finally:
-        spans.request_done(
-            traced,
-            outcome,
-            site=answer.site,
-            error=error,
-            retries=generation.retries,
-            resumed=generation.resumed,
-            output_tokens=answer.completion_tokens,
-        )
-        metrics.request_done(outcome, generation.retries, generation.resumed)
-        metrics.observe(
-            metrics.RequestTimes(
-                started,
-                generation.routed_at,
-                out.first_chunk_at,
-                time.monotonic(),
-                generation.sites[0] if generation.sites else "",
-                answer.site,
-                answer.completion_tokens if outcome == "ok" else 0,
-            )
-        )
-        if holder is not None:
-            app[LIMITER_KEY].release(*holder, answer.completion_tokens)
-            metrics.key_usage(holder[0], outcome, job.request.prompt_tokens, answer.completion_tokens)
-        ttft_ms = (out.first_chunk_at - started) * 1000 if out.first_chunk_at else None
-        route_ms = (generation.routed_at - started) * 1000 if generation.routed_at else None
-        bound.info(
-            "request.done",
-            site=answer.site,
-            sites=generation.sites,
-            outcome=outcome,
-            error=error,
-            ttft_ms=ttft_ms,
-            route_ms=route_ms,  # from arrival to the first route decided (parse, tokens, the scheduler)
-            output_tokens=answer.completion_tokens,
-            prompt_tokens=job.request.prompt_tokens,
-            retries=generation.retries,
-            resumed=generation.resumed,
-            latency_ms=round((time.monotonic() - started) * 1000, 1),
-        )
+        record.done(outcome, error, answer, generation, out.first_chunk_at)
+
+
+async def _answered(
+    generation: Generation, answer: Answer, out: SseClient | Collected, started: float
+) -> web.StreamResponse:
+    """The generation run, and its answer said to the client: a whole body, or the end of its
+    stream. An error after the stream's first byte is an error event (`answer.error` says it);
+    before it, the error is raised for the client to get as the response."""
+    try:
+        await generation.run()
+    except FederationError as exc:
+        if not isinstance(out, SseClient) or out.response is None:
+            raise
+        answer.error = exc.message
+        return await out.end(sse(exc.body()))
+    if isinstance(out, Collected):
+        return _json(answer.body(time.monotonic() - started), headers=out.headers())
+    if out.response is None:  # an answer with nothing to say (no tokens asked for)
+        await out.opened(answer.site)
+    try:
+        closing = answer.closing_events()
+    except FederationError as exc:
+        answer.error, closing = exc.message, sse(exc.body())
+    return await out.end(closing)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -22,7 +22,7 @@ from federation.gateway.request_models import Strict, invalid
 
 
 class SaidAnswer(Protocol):
-    """What a Response says of an answer (`responses.Answer` holds it as it is read)."""
+    """What a Response says of an answer (`answers.ResponsesAnswer` holds it as it is read)."""
 
     job: Job
     created: int

@@ -13,6 +13,9 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from core import sglang_info
+from core.sglang_info import ServerArgs
+
 
 class WorkerRejected(Exception):
     """The worker refused the request (SGLang's 400): the client's fault, not the site's."""
@@ -111,7 +114,7 @@ async def _get_ok(session: aiohttp.ClientSession, url: str, timeout_s: float) ->
 
 
 async def server_info(session: aiohttp.ClientSession, url: str, timeout_s: float) -> WorkerInfo | None:
-    """The worker's streaming mode (SGLang's --incremental-streaming-output) and running limit, None if unknown."""
+    """What the worker's /server_info says (core/sglang_info.py's reading), None if it says nothing readable."""
     body = await _get_ok(session, url + "/server_info", timeout_s)
     try:
         info = json.loads(body) if body is not None else None
@@ -119,21 +122,15 @@ async def server_info(session: aiohttp.ClientSession, url: str, timeout_s: float
         return None
     if not isinstance(info, dict):
         return None
-    # SGLang's effective limit is per DP rank, in internal_states; the server argument may be unset.
-    states = info.get("internal_states")
-    effective = states[0].get("effective_max_running_requests_per_dp") if isinstance(states, list) and states else None
-    limit = effective if isinstance(effective, int) else info.get("max_running_requests")
-    dp_size = info.get("dp_size")
-    dp = dp_size if isinstance(dp_size, int) else 1
-    model_path = info.get("model_path") or ""
+    args = ServerArgs.read(info)
     return WorkerInfo(
-        incremental=bool(info.get("incremental_streaming_output", False)),
-        max_running_requests=limit * dp if isinstance(limit, int) and limit > 0 else None,
-        served_model=str(info.get("served_model_name") or model_path),
-        tokenizer=str(info.get("tokenizer_path") or model_path),
-        checkpoint=str(model_path),
-        quantization=str(info.get("quantization") or ""),
-        mixed_chunk=bool(info.get("enable_mixed_chunk", False)),
+        incremental=args.incremental_streaming_output,
+        max_running_requests=sglang_info.max_running_requests(info),
+        served_model=args.served_model_name or args.model_path,
+        tokenizer=args.tokenizer_path or args.model_path,
+        checkpoint=args.model_path,
+        quantization=args.quantization or "",
+        mixed_chunk=args.enable_mixed_chunk,
     )
 
 

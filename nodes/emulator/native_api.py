@@ -10,12 +10,12 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
-from core import tokens
+from core import sglang_info, tokens
+from core.sglang_info import Load, ServerArgs
 from nodes.emulator.output import GenerateSpec
 from nodes.emulator.params import (
     BodyError,
@@ -37,7 +37,6 @@ from nodes.emulator.web_common import (
 )
 from nodes.emulator.worker import DuplicateRequestId, EmulatedWorker, Generation
 
-SGLANG_VERSION = "0.5.23"
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # /generate's default in SGLang
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
 HEALTH_CHECK_IDS = pack_ids([0])  # SGLang's health generation prompts with input_ids [0]
@@ -243,89 +242,55 @@ async def handle_health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-def _model_info(worker: EmulatedWorker) -> dict[str, Any]:
-    c = worker.config
-    return {
-        "model_path": c.model_path,
-        "served_model_name": c.served_model_name,
-        "tokenizer_path": c.tokenizer_path,
-        "is_generation": True,
-        "preferred_sampling_params": None,
-        "weight_version": "default",
-        "load_format": "auto",
-        "reasoning_parser": None,
-        "tool_call_parser": None,
-        "disaggregation_mode": "null",
-        "has_image_understanding": False,
-        "has_audio_understanding": False,
-        "model_type": "gpt_oss",
-        "architectures": ["GptOssForCausalLM"],
-    }
-
-
-def _server_args(worker: EmulatedWorker) -> dict[str, Any]:
+def _server_args(worker: EmulatedWorker) -> ServerArgs:
     c, e = worker.config, worker.engine
-    return {
-        "model_path": c.model_path,
-        "tokenizer_path": c.tokenizer_path,
-        "served_model_name": c.served_model_name,
-        "host": c.host,
-        "port": c.port,
-        "tp_size": c.tp_size,
-        "dp_size": 1,
-        "pp_size": 1,
-        "context_length": c.context_length,
-        "chunked_prefill_size": c.profile.chunked_prefill_tokens,
-        "max_running_requests": e.max_running_requests,
-        "max_total_tokens": c.max_total_tokens,
-        "page_size": c.cache.page_size,
-        "disable_radix_cache": c.cache.disable_radix_cache,
-        "schedule_policy": c.cache.schedule_policy,
-        "schedule_conservativeness": 1.0,
-        "radix_eviction_policy": "lru",
-        "radix_eviction_policy_config": None,
-        "enable_cache_report": c.enable_cache_report,
-        "swa_full_tokens_ratio": c.cache.swa_full_tokens_ratio,
-        "disable_hybrid_swa_memory": False,
-        "stream_interval": c.stream_interval,
-        "incremental_streaming_output": c.incremental_streaming_output,
-        "enable_metrics": True,
-        "enable_mixed_chunk": True,
-        "enable_dp_attention": False,
-        "quantization": c.quantization,
-    }
+    return ServerArgs(
+        model_path=c.model_path,
+        tokenizer_path=c.tokenizer_path,
+        served_model_name=c.served_model_name,
+        host=c.host,
+        port=c.port,
+        tp_size=c.tp_size,
+        context_length=c.context_length,
+        chunked_prefill_size=c.profile.chunked_prefill_tokens,
+        max_running_requests=e.max_running_requests,
+        max_total_tokens=c.max_total_tokens,
+        page_size=c.cache.page_size,
+        disable_radix_cache=c.cache.disable_radix_cache,
+        schedule_policy=c.cache.schedule_policy,
+        enable_cache_report=c.enable_cache_report,
+        swa_full_tokens_ratio=c.cache.swa_full_tokens_ratio,
+        stream_interval=c.stream_interval,
+        incremental_streaming_output=c.incremental_streaming_output,
+        enable_metrics=True,
+        enable_mixed_chunk=True,
+        quantization=c.quantization,
+    )
 
 
 async def handle_model_info(request: web.Request) -> web.Response:
-    return json_response(_model_info(request.app[WORKER_KEY]))
+    return json_response(sglang_info.model_info(_server_args(request.app[WORKER_KEY])))
 
 
 async def handle_server_info(request: web.Request) -> web.Response:
     worker = request.app[WORKER_KEY]
+    e = worker.engine
     args = _server_args(worker)
-    max_req_len = min(worker.config.context_length - 1, worker.engine.kv_capacity_tokens - 1)
     internal = {
-        **args,
+        **args.as_dict(),
         "world_size": 1,
-        "effective_max_running_requests_per_dp": worker.engine.max_running_requests,
+        "effective_max_running_requests_per_dp": e.max_running_requests,
         "last_gen_throughput": worker.metrics.last_gen_throughput(),
-        "memory_usage": {
-            "token_capacity": worker.engine.kv_capacity_tokens,
-            "token_capacity_swa": worker.engine.pools.swa_capacity,
-        },
+        "memory_usage": {"token_capacity": e.kv_capacity_tokens, "token_capacity_swa": e.pools.swa_capacity},
     }
-    return json_response(
-        {
-            **args,
-            "status": "ready",
-            "max_total_num_tokens": worker.engine.kv_capacity_tokens,
-            "max_req_input_len": max_req_len - 5,
-            "internal_states": [internal],
-            "version": SGLANG_VERSION,
-            "frontend": "python",
-            "emulated_gpu": worker.config.profile.name,
-        }
+    body = sglang_info.server_info(
+        args,
+        max_total_num_tokens=e.kv_capacity_tokens,
+        max_req_input_len=sglang_info.max_req_input_len(worker.config.context_length, e.kv_capacity_tokens),
+        internal_states=[internal],
+        extra={"frontend": "python", "emulated_gpu": worker.config.profile.name},
     )
+    return json_response(body)
 
 
 def _waiting_uncached_tokens(worker: EmulatedWorker) -> int:
@@ -341,44 +306,43 @@ def _waiting_uncached_tokens(worker: EmulatedWorker) -> int:
     return queued + sum(s.prefill_left - s.chunk for s in e.prefilling)
 
 
-def _load_entry(worker: EmulatedWorker) -> dict[str, Any]:
+def _load(worker: EmulatedWorker) -> Load:
     e = worker.engine
     pools = e.pool_usage()
     used = pools.num_used_tokens
     report = worker.metrics.report()
-    return {
-        "timestamp": time.time(),
-        "dp_rank": 0,
-        "num_running_reqs": e.running_count,
-        "num_waiting_reqs": e.waiting_count,
-        "num_waiting_uncached_tokens": _waiting_uncached_tokens(worker),
-        "num_used_tokens": used,
-        "num_total_tokens": used + sum(s.prompt_tokens + s.generated for s in e.waiting),
-        "num_active_tokens": used,
-        "num_prealloc_ready_tokens": 0,
-        "max_total_num_tokens": e.kv_capacity_tokens,
-        "max_running_requests": e.max_running_requests,
-        "token_usage": round(pools.usage, 4),
-        "gen_throughput": round(report.gen_throughput, 2),
-        "cache_hit_rate": round(report.cache_hit_rate, 4),
-        "utilization": e.running_count / e.max_running_requests,
-        "total_prefill_uncached_tokens": report.prefill_compute_tokens,
-        "total_prefill_busy_us": 0,
-        "decode_moments": None,
-    }
+    return Load(
+        timestamp=time.time(),
+        dp_rank=0,
+        num_running_reqs=e.running_count,
+        num_waiting_reqs=e.waiting_count,
+        num_waiting_uncached_tokens=_waiting_uncached_tokens(worker),
+        num_used_tokens=used,
+        num_total_tokens=used + sum(s.prompt_tokens + s.generated for s in e.waiting),
+        num_active_tokens=used,
+        max_total_num_tokens=e.kv_capacity_tokens,
+        max_running_requests=e.max_running_requests,
+        token_usage=pools.usage,
+        gen_throughput=report.gen_throughput,
+        cache_hit_rate=report.cache_hit_rate,
+        utilization=e.running_count / e.max_running_requests,
+        total_prefill_uncached_tokens=report.prefill_compute_tokens,
+    )
 
 
 async def handle_loads(request: web.Request) -> web.Response:
+    """SGLang's /v1/loads for the one DP rank an emulated worker has (`format=prometheus` too)."""
     worker = request.app[WORKER_KEY]
-    return json_response(
-        {
-            "timestamp": datetime.now(UTC).isoformat(),
-            "version": SGLANG_VERSION,
-            "accelerator": f"AMD Instinct {worker.config.profile.name.upper()} (emulated)",
-            "num_accelerators": 1,
-            "loads": [_load_entry(worker)],
-        }
+    loads = [_load(worker)]
+    if request.query.get("format") == "prometheus":
+        return web.Response(text=sglang_info.loads_prometheus(loads), content_type="text/plain")
+    body = sglang_info.loads_body(
+        loads,
+        accelerator=f"AMD Instinct {worker.config.profile.name.upper()} (emulated)",
+        num_accelerators=1,
+        now_unix_s=time.time(),
     )
+    return json_response(body)
 
 
 async def handle_get_load(request: web.Request) -> web.Response:
