@@ -156,7 +156,7 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
     if config.policy != PREFIX_AWARE_POLICY:  # a baseline routes blind to caches, at the sites too
         job = dataclasses.replace(job, request=dataclasses.replace(job.request, prefix_hashes=()))
     arrival = Arrival(request_id, request.path, request.headers, received_unix_s, started)
-    record = RequestRecord(arrival, job, app[LIMITER_KEY], request.get(HOLDER_KEY))
+    record = RequestRecord(arrival, job, app.get(LIMITER_KEY), request.get(HOLDER_KEY))
     answer = answer_for(job)
     route = wire.RouteRequest(
         request_id,

@@ -37,10 +37,13 @@ class RequestRecord:
     """Opens the request's span and holds its key's share of the limits from the start; `done`
     ends the span, counts the request, gives the key's share back and logs one line."""
 
-    def __init__(self, arrival: Arrival, job: Job, limiter: Limiter, holder: tuple[str, KeyLimits] | None) -> None:
+    def __init__(
+        self, arrival: Arrival, job: Job, limiter: Limiter | None, holder: tuple[str, KeyLimits] | None
+    ) -> None:
+        """`limiter` and `holder`: the gateway's key limits and the request's key (None: no keys)."""
         self.arrival, self.job = arrival, job
         self._limiter, self._holder = limiter, holder
-        if holder is not None:
+        if limiter is not None and holder is not None:
             try:
                 limiter.admit(*holder, job.request.prompt_tokens)
             except RateLimited:
@@ -80,7 +83,7 @@ class RequestRecord:
                 answer.completion_tokens if outcome == "ok" else 0,
             )
         )
-        if self._holder is not None:
+        if self._limiter is not None and self._holder is not None:
             self._limiter.release(*self._holder, answer.completion_tokens)
             metrics.key_usage(self._holder[0], outcome, self.job.request.prompt_tokens, answer.completion_tokens)
         self._log.info(
