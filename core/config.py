@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 import yaml
@@ -66,28 +66,18 @@ class TlsFiles:
 
 @dataclass(frozen=True, slots=True)
 class Config:
+    """A federation as its file says it (`parse`): the file's sections as validated, with the
+    links as round trips both ways, relative paths resolved and the built-in recipes filled in."""
+
     model: str
     host: str
     speed: float
-    gateway_port: int
-    gateway_region: str
-    scheduler_port: int  # the first replica's; replica i listens on scheduler_port + i
-    scheduler_region: str
-    policy: str = "least_expected_delay"
+    gateway: GatewaySection
+    scheduler: SchedulerSection
     # Emulated workers send a stream event every this many decode steps (SGLang's
     # --stream-interval; 1, its default, is an event per token). A larger one is coarser
     # chunking than a real site's, and any result measured with it must say so.
     stream_interval: int = 1
-    # Gateway processes sharing the port (SO_REUSEPORT): each open request holds a socket,
-    # and one process has 20,000 file descriptors here; a federation at MLPerf load has more.
-    gateway_processes: int = 1
-    ttft_budget_ms: float = 0.0  # gateway latency mode when > 0 (see federation/gateway/admission.py)
-    api_keys: str = ""  # the gateways' keys file (`fedctl keys add`); "": an open endpoint
-    # An open endpoint on a host other than loopback is refused unless asked for (gateway.open).
-    gateway_open: bool = False
-    # Open connections one client address may hold at a gateway process (0: no cap). A bench's
-    # or drill's load generator is one address with thousands of streams: they set 0.
-    max_connections_per_address: int = 1024
     rtt_ms: dict[tuple[str, str], float] = field(default_factory=dict)  # both orders present
     # The round trips of the links that carry only control calls (sites' registrations and
     # reports, Routes) when they differ from `rtt_ms`: a slowed bench stretches the data path's
@@ -95,21 +85,30 @@ class Config:
     # its control links keep the real ones. None: `rtt_ms`.
     control_rtt_ms: dict[tuple[str, str], float] | None = None
     sites: tuple[SiteConfig, ...] = ()
-    scheduler_replicas: int = 1  # active-active: any of them can decide, agents report to all
-    scheduler_metrics_port: int | None = None  # replica i's /metrics on this + i; None: not served
     timings: Timings = field(default_factory=Timings)  # each component's waits (core/settings.py)
     # How each GPU type's site starts its workers (core/recipes.py): the built-in ones, with
     # those the file's `recipes:` names replacing theirs.
     recipes: dict[str, Recipe] = field(default_factory=lambda: dict(DEFAULT_RECIPES))
-    # A deployment across machines: what each process listens on (None: `host`), the replicas'
-    # addresses as dialled (None: `host`, one port each from `scheduler_port`), the certificates.
+    # A deployment across machines: what each process listens on (None: `host`), the certificates.
     bind_host: str | None = None
-    scheduler_dial: tuple[str, ...] | None = None
     tls: TlsFiles | None = None
 
     @property
+    def scheduler_region(self) -> str:
+        """The schedulers' region: the file's, else the gateway's."""
+        return self.gateway.region if self.scheduler.region is None else self.scheduler.region
+
+    def with_gateway(self, **changes: Any) -> Config:
+        """This federation with its gateway section's `changes` (already valid values)."""
+        return replace(self, gateway=self.gateway.model_copy(update=changes))
+
+    def with_scheduler(self, **changes: Any) -> Config:
+        """This federation with its scheduler section's `changes` (already valid values)."""
+        return replace(self, scheduler=self.scheduler.model_copy(update=changes))
+
+    @property
     def gateway_url(self) -> str:
-        return f"http://{self.host}:{self.gateway_port}"
+        return f"http://{self.host}:{self.gateway.port}"
 
     @property
     def bind(self) -> str:
@@ -118,19 +117,20 @@ class Config:
     @property
     def across_machines(self) -> bool:
         """Whether the file places processes on other machines (`fedctl up` runs one machine's)."""
-        return self.scheduler_dial is not None or any(s.address is not None for s in self.sites)
+        return self.scheduler.addresses is not None or any(s.address is not None for s in self.sites)
 
     @property
     def scheduler_addresses(self) -> tuple[str, ...]:
-        if self.scheduler_dial is not None:
-            return self.scheduler_dial
-        return tuple(f"{self.host}:{self.scheduler_port + i}" for i in range(self.scheduler_replicas))
+        """The replicas' addresses as dialled: the file's, else `host` and one port each."""
+        if self.scheduler.addresses is not None:
+            return tuple(self.scheduler.addresses)
+        return tuple(f"{self.host}:{self.scheduler.port + i}" for i in range(self.scheduler.replicas))
 
     def scheduler_listen_port(self, replica: int) -> int:
         """Replica `replica`'s port: its address's when the file places it, else one per replica."""
-        if self.scheduler_dial is not None:
-            return int(self.scheduler_dial[replica].rsplit(":", 1)[1])
-        return self.scheduler_port + replica
+        if self.scheduler.addresses is not None:
+            return int(self.scheduler.addresses[replica].rsplit(":", 1)[1])
+        return self.scheduler.port + replica
 
     def agent_address(self, site: SiteConfig) -> str:
         return site.address or f"{self.host}:{site.agent_port}"
@@ -160,9 +160,9 @@ class Config:
     ) -> Config:
         return replace(
             self,
-            gateway_port=self.gateway_port if port is None else port,
+            gateway=self.gateway if port is None else self.gateway.model_copy(update={"port": port}),
+            scheduler=self.scheduler if policy is None else self.scheduler.model_copy(update={"policy": policy}),
             speed=self.speed if speed is None else speed,
-            policy=self.policy if policy is None else policy,
             stream_interval=self.stream_interval if stream_interval is None else stream_interval,
         )
 
@@ -180,13 +180,19 @@ class _Section(pydantic.BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)  # a misspelt key is an error, not a default
 
 
-class _Gateway(_Section):
+class GatewaySection(_Section):
+    """The file's `gateway:`."""
+
     port: _PORT = 8080
     region: StrictStr = ""
+    # Gateway processes sharing the port (SO_REUSEPORT): each open request holds a socket,
+    # and one process has 20,000 file descriptors here; a federation at MLPerf load has more.
     processes: _POSITIVE_INT = 1
-    ttft_budget_ms: Annotated[_NUMBER, Field(ge=0)] = 0.0
-    api_keys: StrictStr = ""
+    ttft_budget_ms: Annotated[_NUMBER, Field(ge=0)] = 0.0  # latency mode when > 0 (federation/gateway/admission.py)
+    api_keys: StrictStr = ""  # the keys file (`fedctl keys add`), from the file's directory; "": an open endpoint
     open: StrictBool = False  # serve without api_keys on a host other than loopback, on purpose
+    # Open connections one client address may hold at a gateway process (0: no cap). A bench's
+    # or drill's load generator is one address with thousands of streams: they set 0.
     max_connections_per_address: Annotated[int, Strict(), Field(ge=0)] = 1024
 
 
@@ -201,16 +207,18 @@ def _address(value: str) -> str:
 _ADDRESS = Annotated[StrictStr, pydantic.AfterValidator(_address)]
 
 
-class _Scheduler(_Section):
-    port: _PORT = 50051
-    region: StrictStr | None = None  # the gateway's
-    replicas: _POSITIVE_INT = 1
+class SchedulerSection(_Section):
+    """The file's `scheduler:`."""
+
+    port: _PORT = 50051  # the first replica's; replica i listens on port + i
+    region: StrictStr | None = None  # None: the gateway's (Config.scheduler_region)
+    replicas: _POSITIVE_INT = 1  # active-active: any of them can decide, agents report to all
     policy: StrictStr = "least_expected_delay"
     metrics_port: _PORT | None = None  # replica i's /metrics on metrics_port + i
-    addresses: list[_ADDRESS] | None = None  # replica i's host:port as dialled, on machines of their own
+    addresses: tuple[_ADDRESS, ...] | None = None  # replica i's host:port as dialled, on machines of their own
 
     @pydantic.model_validator(mode="after")
-    def _known(self) -> _Scheduler:
+    def _known(self) -> SchedulerSection:
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler.policy must be one of {', '.join(sorted(POLICIES))}")
         if self.addresses is not None and len(self.addresses) != self.replicas:
@@ -264,8 +272,8 @@ class _File(_Section):
     tls: _Tls | None = None
     speed: Annotated[_NUMBER, Field(gt=0)] = 1.0
     stream_interval: _POSITIVE_INT = 1
-    gateway: _Gateway = _Gateway()
-    scheduler: _Scheduler = _Scheduler()
+    gateway: GatewaySection = GatewaySection()
+    scheduler: SchedulerSection = SchedulerSection()
     links: list[_Link] = []
     sites: Annotated[list[SiteConfig], Field(min_length=1)]
     timings: Timings = Timings()
@@ -292,42 +300,34 @@ def parse(text: str, source: str = "config", base: Path | None = None) -> Config
     sites = tuple(file.sites)
     if len({s.name for s in sites}) != len(sites):
         raise ConfigError(f"{source}: site names must be unique")
+    gateway = file.gateway
+    if gateway.api_keys:
+        gateway = gateway.model_copy(update={"api_keys": str(_from(base, gateway.api_keys))})
     config = Config(
         model=file.model,
         host=file.host,
         speed=float(file.speed),
-        gateway_port=file.gateway.port,
-        gateway_region=file.gateway.region,
-        scheduler_port=file.scheduler.port,
-        scheduler_region=file.gateway.region if file.scheduler.region is None else file.scheduler.region,
-        policy=file.scheduler.policy,
+        gateway=gateway,
+        scheduler=file.scheduler,
         stream_interval=file.stream_interval,
-        gateway_processes=file.gateway.processes,
-        ttft_budget_ms=float(file.gateway.ttft_budget_ms),
-        api_keys=str(_from(base, file.gateway.api_keys)) if file.gateway.api_keys else "",
-        gateway_open=file.gateway.open,
-        max_connections_per_address=file.gateway.max_connections_per_address,
         rtt_ms=rtt,
         sites=sites,
-        scheduler_replicas=file.scheduler.replicas,
-        scheduler_metrics_port=file.scheduler.metrics_port,
         timings=file.timings,
         recipes={**DEFAULT_RECIPES, **{str(gpu): recipe for gpu, recipe in file.recipes.items()}},
         bind_host=file.bind,
-        scheduler_dial=tuple(file.scheduler.addresses) if file.scheduler.addresses is not None else None,
         tls=TlsFiles(_from(base, file.tls.ca), _from(base, file.tls.certs)) if file.tls is not None else None,
     )
     try:
         for site in config.sites:
-            config.rtt_between(site.region, config.gateway_region)
+            config.rtt_between(site.region, config.gateway.region)
             config.rtt_between(site.region, config.scheduler_region)
-        config.rtt_between(config.gateway_region, config.scheduler_region)
+        config.rtt_between(config.gateway.region, config.scheduler_region)
         for site in config.sites:
             config.recipes[site.gpu].workers(site.gpus)
     except (ConfigError, RecipeError) as exc:
         raise ConfigError(f"{source}: {exc}") from None
     _check_ports(config, source)
-    if not (config.api_keys or config.gateway_open or runtime.is_loopback(config.host)):
+    if not (config.gateway.api_keys or config.gateway.open or runtime.is_loopback(config.host)):
         raise ConfigError(
             f"{source}: host {config.host} serves the gateway beyond this machine, and without gateway.api_keys "
             "anyone who reaches its port may use it: set gateway.api_keys (`fedctl keys add`), or gateway.open: "
@@ -354,12 +354,12 @@ def _check_ports(config: Config, source: str) -> None:
     def machine_of(address: str | None) -> str:
         return config.host if address is None else address.rpartition(":")[0]
 
-    claim(config.host, config.gateway_port, "the gateway")
-    for i in range(config.scheduler_replicas):
-        machine = machine_of(config.scheduler_dial[i] if config.scheduler_dial else None)
+    claim(config.host, config.gateway.port, "the gateway")
+    for i in range(config.scheduler.replicas):
+        machine = machine_of(config.scheduler_addresses[i] if config.scheduler.addresses else None)
         claim(machine, config.scheduler_listen_port(i), f"scheduler replica {i}")
-        if config.scheduler_metrics_port is not None:
-            claim(machine, config.scheduler_metrics_port + i, f"scheduler replica {i}'s metrics")
+        if config.scheduler.metrics_port is not None:
+            claim(machine, config.scheduler.metrics_port + i, f"scheduler replica {i}'s metrics")
     for site in config.sites:
         machine = machine_of(site.address)
         claim(machine, site.agent_port, f"{site.name}'s agent")

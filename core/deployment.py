@@ -50,12 +50,12 @@ def tls_args(config: Config, identity: Identity) -> list[str]:
 
 def scheduler_args(config: Config, replica: int) -> list[str]:
     """Replica `replica`'s command line (`python -m scheduler`)."""
-    if not 0 <= replica < config.scheduler_replicas:
-        raise DeploymentError(f"the config has scheduler replicas 0..{config.scheduler_replicas - 1}, not {replica}")
-    metrics = config.scheduler_metrics_port
+    if not 0 <= replica < config.scheduler.replicas:
+        raise DeploymentError(f"the config has scheduler replicas 0..{config.scheduler.replicas - 1}, not {replica}")
+    metrics = config.scheduler.metrics_port
     return [
         *("--host", config.bind, "--port", str(config.scheduler_listen_port(replica))),
-        *("--model", config.model, "--policy", config.policy),
+        *("--model", config.model, "--policy", config.scheduler.policy),
         *(["--metrics-port", str(metrics + replica)] if metrics else []),
         *(a for path in sorted({r.model_path for r in config.recipes.values()}) for a in ("--checkpoint", path)),
         *rtt_args(config),
@@ -68,14 +68,14 @@ def gateway_args(config: Config, schedulers: Sequence[str] | None = None) -> lis
     """The gateway's command line (`python -m federation.gateway`); `schedulers`: the addresses
     it dials instead of the file's (the embedded default's WAN links)."""
     return [
-        *("--host", config.bind, "--port", str(config.gateway_port), "--model", config.model),
-        *("--policy", config.policy, "--ttft-budget-ms", f"{config.ttft_budget_ms:g}"),
+        *("--host", config.bind, "--port", str(config.gateway.port), "--model", config.model),
+        *("--policy", config.scheduler.policy, "--ttft-budget-ms", f"{config.gateway.ttft_budget_ms:g}"),
         *(a for address in schedulers or config.scheduler_addresses for a in ("--scheduler", address)),
         *rtt_args(config),
         *timings_args(config.timings.gateway),
-        *(["--api-keys", config.api_keys] if config.api_keys else []),
-        *(["--open"] if config.gateway_open else []),
-        *("--max-connections-per-address", str(config.max_connections_per_address)),
+        *(["--api-keys", config.gateway.api_keys] if config.gateway.api_keys else []),
+        *(["--open"] if config.gateway.open else []),
+        *("--max-connections-per-address", str(config.gateway.max_connections_per_address)),
         *tls_args(config, GATEWAY),
     ]
 

@@ -47,10 +47,10 @@ def _certificates(config: Config) -> list[str]:
 
 
 def _keys(config: Config) -> list[str]:
-    if not config.api_keys:
+    if not config.gateway.api_keys:
         return []
     try:
-        Keys(Path(config.api_keys))
+        Keys(Path(config.gateway.api_keys))
     except KeyFileError as exc:
         return [f"gateway.api_keys: {exc}"]
     return []
@@ -60,6 +60,6 @@ def summary(config: Config) -> str:
     where = "across machines" if config.across_machines else f"on {config.host}"
     return (
         f"{len(config.sites)} sites ({', '.join(s.name for s in config.sites)}), "
-        f"{config.scheduler_replicas} scheduler replicas, {where}"
+        f"{config.scheduler.replicas} scheduler replicas, {where}"
         + (", certificates checked" if config.tls else ", no tls section: each process needs --ca/--cert/--key")
     )

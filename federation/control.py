@@ -34,19 +34,19 @@ def _runtime_dir() -> Path:
 
 def socket_path(config: Config) -> Path:
     """One per gateway port: two federations on one machine have two sockets."""
-    return _runtime_dir() / f"inference-federation-{config.gateway_port}.sock"
+    return _runtime_dir() / f"inference-federation-{config.gateway.port}.sock"
 
 
 def tls_dir(config: Config) -> Path:
     """Where the embedded federation of this config keeps the CA made for its run, and the
     operator's certificate `fedctl` commands on this machine use (its user's only)."""
-    return _runtime_dir() / f"inference-federation-{config.gateway_port}.tls"
+    return _runtime_dir() / f"inference-federation-{config.gateway.port}.tls"
 
 
 def join_token_path(config: Config) -> Path:
     """Where the embedded plaintext (--insecure) federation of this config keeps its join
     credential (mode 0600): its schedulers and agents read it, and so does `fedctl site add --agent`."""
-    return _runtime_dir() / f"inference-federation-{config.gateway_port}.join-token"
+    return _runtime_dir() / f"inference-federation-{config.gateway.port}.join-token"
 
 
 class ControlServer:

@@ -122,19 +122,19 @@ class Federation:
             print(f"fedctl: {INSECURE_WARNING}", file=self.log or sys.stderr, flush=True)
         schedulers = [
             self._start(f"scheduler {i}", "scheduler", self._scheduler_args(i), as_=SCHEDULER, wait=False)
-            for i in range(c.scheduler_replicas)
+            for i in range(c.scheduler.replicas)
         ]
         for child in schedulers:
             wait_ready(child)
         # The sites and the gateway start side by side: a site is ready once its workers answer,
         # its probe ran and it registered (seconds each), and the gateway needs only the schedulers.
         starting = [self._start_site(site, wait=False) for site in c.sites]
-        gateway_args = deployment.gateway_args(c, self._to_schedulers("gateway", c.gateway_region))
+        gateway_args = deployment.gateway_args(c, self._to_schedulers("gateway", c.gateway.region))
         shared, env = [], {}
-        if c.gateway_processes > 1:  # one port, and one /metrics for all of them
+        if c.gateway.processes > 1:  # one port, and one /metrics for all of them
             self._metrics_dir = tempfile.mkdtemp(prefix="federation-gateway-metrics-")
             shared, env = ["--reuse-port"], {metrics.MULTIPROCESS_DIR_ENV: self._metrics_dir}
-        for i in range(c.gateway_processes):
+        for i in range(c.gateway.processes):
             name = f"gateway {i}" if shared else "gateway"
             starting.append(self._start(name, "federation.gateway", [*gateway_args, *shared], env, GATEWAY, False))
         for child in starting:
@@ -162,7 +162,7 @@ class Federation:
         if not (rtt or self.scheduler_links):
             return list(c.scheduler_addresses)
         return [
-            self._link(f"link {client}->scheduler {i}", c.scheduler_port + i, rtt) for i in range(c.scheduler_replicas)
+            self._link(f"link {client}->scheduler {i}", c.scheduler.port + i, rtt) for i in range(c.scheduler.replicas)
         ]
 
     def links_to_scheduler(self, replica: int) -> list[Child]:
@@ -174,7 +174,7 @@ class Federation:
         without `wait`, the agent is returned before its ready line."""
         c = self.config
         to_schedulers, advertise = self._to_schedulers(site.name, site.region), f"{c.host}:{site.agent_port}"
-        rtt = c.rtt_between(site.region, c.gateway_region)
+        rtt = c.rtt_between(site.region, c.gateway.region)
         if rtt:
             advertise = self._link(f"link gateway->{site.name}", site.agent_port, rtt)
         emulation = [
@@ -205,7 +205,7 @@ class Federation:
         every scheduler replica has it ready (it then earns its share by slow start)."""
         if any(s.name == site.name for s in self.config.sites):
             raise ValueError(f"a site named {site.name!r} is already in this federation")
-        self.config.rtt_between(site.region, self.config.gateway_region)  # ConfigError before anything starts
+        self.config.rtt_between(site.region, self.config.gateway.region)  # ConfigError before anything starts
         self.config.rtt_between(site.region, self.config.scheduler_region)
         self.config = dataclasses.replace(self.config, sites=(*self.config.sites, site))
         started = len(self.children)

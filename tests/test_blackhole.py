@@ -23,7 +23,7 @@ DETECTION_BOUND_S = 5.0  # generous: two keepalive periods (2 s) plus a loaded m
 async def test_blackholed_scheduler_replicas_are_routed_around_then_degraded(make_federation) -> None:
     fed, _ = make_federation(scheduler="replicas: 2")
     host = fed.config.host
-    proxies = [LinkProxy(Link(host, 0, host, fed.config.scheduler_port + i, 0.0)) for i in range(2)]
+    proxies = [LinkProxy(Link(host, 0, host, fed.config.scheduler.port + i, 0.0)) for i in range(2)]
     for proxy in proxies:
         await proxy.start()
     port = free_port_block(1)

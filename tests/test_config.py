@@ -22,7 +22,7 @@ def test_default_is_the_embedded_federation() -> None:
         ("kr-mi300x", "ap-northeast-2", "mi300x", 16),
         ("us-mi355x", "us-west-2", "mi355x", 16),
     ]
-    assert c.gateway_port == 8080 and c.rtt_between("us-west-2", "ap-northeast-2") == 130.0
+    assert c.gateway.port == 8080 and c.rtt_between("us-west-2", "ap-northeast-2") == 130.0
 
 
 BAD_CONFIGS = [
@@ -167,8 +167,8 @@ def test_an_open_gateway_beyond_loopback_is_refused_unless_asked_for(capsys) -> 
     way out), unless keys are given or it is told to run open."""
     with pytest.raises(ConfigError, match=re.escape("gateway.open: true")):
         parse("host: 0.0.0.0\ngateway: {port: 8080, region: us-west-2}\n" + SITE_A)
-    assert parse("host: 0.0.0.0\ngateway: {port: 8080, region: us-west-2, open: true}\n" + SITE_A).gateway_open
-    assert not parse("host: ::1\ngateway: {port: 8080, region: us-west-2}\n" + SITE_A).gateway_open
+    assert parse("host: 0.0.0.0\ngateway: {port: 8080, region: us-west-2, open: true}\n" + SITE_A).gateway.open
+    assert not parse("host: ::1\ngateway: {port: 8080, region: us-west-2}\n" + SITE_A).gateway.open
     base = ["--scheduler", "127.0.0.1:50051", "--insecure"]
     for host in ("0.0.0.0", "10.1.2.3", "gw.example.net"):
         with pytest.raises(SystemExit) as exited:

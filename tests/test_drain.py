@@ -70,7 +70,7 @@ async def test_drain_undrain_remove(tmp_path: Path) -> None:
     fed = Federation(load(path))
     try:
         fed.up()
-        url = f"http://{fed.config.host}:{fed.config.gateway_port}"
+        url = f"http://{fed.config.host}:{fed.config.gateway.port}"
         async with aiohttp.ClientSession() as http:
             in_flight = [asyncio.create_task(_stream(http, url, 150)) for _ in range(6)]
             await asyncio.sleep(1.0)

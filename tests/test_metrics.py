@@ -79,7 +79,7 @@ async def test_every_process_says_what_it_did(fed: Federation) -> None:
         )
     operator = _tls_of(fed, OPERATOR)
     c = fed.config
-    status, text = await _scrape(f"https://{c.host}:{c.scheduler_metrics_port}/metrics", operator, SCHEDULER)
+    status, text = await _scrape(f"https://{c.host}:{c.scheduler.metrics_port}/metrics", operator, SCHEDULER)
     assert status == 200
     scheduler = _families(text)
     routes = scheduler["federation_scheduler_routes"]
@@ -139,7 +139,7 @@ async def test_only_operators_read_a_schedulers_or_agents_metrics(fed: Federatio
     plain HTTP gets nothing."""
     c = fed.config
     urls = [
-        (f"{c.host}:{c.scheduler_metrics_port}", SCHEDULER),
+        (f"{c.host}:{c.scheduler.metrics_port}", SCHEDULER),
         (f"{c.host}:{c.sites[0].metrics_port}", Identity(Role.SITE, c.sites[0].name)),
     ]
     for address, server in urls:

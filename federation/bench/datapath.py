@@ -75,7 +75,7 @@ def datapath_config(path: Path | None, speed: float, stream_interval: int, on_fr
         config = config.with_gpus(DATAPATH_GPUS)
     config = config.with_overrides(speed=speed, stream_interval=stream_interval)
     scaled = {k: v / config.speed for k, v in config.rtt_ms.items()}
-    config = dataclasses.replace(config, rtt_ms=scaled, control_rtt_ms=config.rtt_ms, max_connections_per_address=0)
+    config = dataclasses.replace(config, rtt_ms=scaled, control_rtt_ms=config.rtt_ms).with_gateway(max_connections_per_address=0)
     return on_free_ports(config)
 
 
@@ -304,7 +304,7 @@ def _per(cpu_s: float, count: float) -> float | None:
 
 def run(args: argparse.Namespace, samples: Sequence[Sample], config: Config, log: IO[str]) -> dict[str, Any]:
     open_requests = args.max_in_flight or full_batches(config)
-    one_way_ms = {s.name: config.rtt_between(s.region, config.gateway_region) / 2 for s in config.sites}
+    one_way_ms = {s.name: config.rtt_between(s.region, config.gateway.region) / 2 for s in config.sites}
     federation = Federation(config, log, insecure=args.insecure)
     try:
         federation.up()

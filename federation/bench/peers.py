@@ -133,7 +133,7 @@ class FlatRouter:
             workers = launch(args, host=c.host, log=self.log)
             self.children.append(workers)
             urls = workers.urls
-        rtt_ms = c.rtt_between(site.region, c.gateway_region)
+        rtt_ms = c.rtt_between(site.region, c.gateway.region)
         if not rtt_ms:
             return urls
         first = free_port_block(len(urls), c.host)

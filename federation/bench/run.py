@@ -177,10 +177,9 @@ def bench_config(
         config = config.with_gpus(gpus)
     return _on_free_ports(
         dataclasses.replace(
-            config,
-            rtt_ms={k: v / config.speed for k, v in config.rtt_ms.items()},
-            control_rtt_ms=config.rtt_ms,
-            gateway_processes=max(config.gateway_processes, BENCH_GATEWAY_PROCESSES),
+            config, rtt_ms={k: v / config.speed for k, v in config.rtt_ms.items()}, control_rtt_ms=config.rtt_ms
+        ).with_gateway(
+            processes=max(config.gateway.processes, BENCH_GATEWAY_PROCESSES),
             max_connections_per_address=0,  # the load generator is one address
         )
     )
@@ -191,13 +190,14 @@ def _on_free_ports(config: Config) -> Config:
     drill's faults reach them there). A run's ~20 k client connections take ephemeral ports,
     and the configured ones (50051, ...) sit in that range: a run right after another, or
     after a test run, could not bind them."""
-    first = free_port_block(1 + config.scheduler_replicas + sum(1 + s.gpus for s in config.sites))
+    first = free_port_block(1 + config.scheduler.replicas + sum(1 + s.gpus for s in config.sites))
     gateway_port, scheduler_port = first, first + 1  # replica i listens on scheduler_port + i
-    port, sites = scheduler_port + config.scheduler_replicas, []
+    port, sites = scheduler_port + config.scheduler.replicas, []
     for s in config.sites:  # the agent's port, then its workers'
         sites.append(dataclasses.replace(s, agent_port=port, worker_port=port + 1))
         port += 1 + s.gpus
-    return dataclasses.replace(config, sites=tuple(sites), gateway_port=gateway_port, scheduler_port=scheduler_port)
+    placed = dataclasses.replace(config, sites=tuple(sites))
+    return placed.with_gateway(port=gateway_port).with_scheduler(port=scheduler_port)
 
 
 WORKLOADS = ("mlperf-like", "shared-prefix", "multi-turn")
@@ -423,12 +423,12 @@ def main(args: argparse.Namespace) -> int:
         return _write({**report, "capacity_error": None, "capacity_error_note": NO_TRUTH}, args.json)
     config = bench_config(args.config, args.speed, args.policy, args.stream_interval)
     work = _truth_workload(args)
-    report = _run_on(_federation(config, args.insecure, work), samples, args, config.speed, config.policy)
+    report = _run_on(_federation(config, args.insecure, work), samples, args, config.speed, config.scheduler.policy)
     report["stream_interval"] = config.stream_interval  # decode steps per worker event: 1 is a real site's pace
     report["workload"] = args.workload
     comparisons = {}
     for policy in args.compare:
-        other = dataclasses.replace(config, policy=policy)
+        other = config.with_scheduler(policy=policy)
         comparisons[policy] = _run_on(_federation(other, args.insecure, work), samples, args, config.speed, policy)
     for policy in args.peers:
         name = f"sglang-router {policy}"

@@ -149,9 +149,9 @@ class Board:
             "scheduler": self.scheduler,
             "seen_state": self.seen_state,
             "gateway": {"url": self.gateway_url, "error": self.gateway_error},
-            "gateway_region": self.config.gateway_region,
+            "gateway_region": self.config.gateway.region,
             "regions": [
-                {"name": region, "rtt_ms_to_gateway": self._rtt_ms(region, self.config.gateway_region), "sites": rows}
+                {"name": region, "rtt_ms_to_gateway": self._rtt_ms(region, self.config.gateway.region), "sites": rows}
                 for region, rows in regions.items()
             ],
             "links": [

@@ -266,7 +266,7 @@ class SchedulerCrash(Fault):
         federation.child("scheduler 0").proc.send_signal(signal.SIGKILL)
 
     def _heal(self, federation: Federation) -> None:
-        for i in range(1, federation.config.scheduler_replicas):
+        for i in range(1, federation.config.scheduler.replicas):
             federation.child(f"scheduler {i}").proc.send_signal(signal.SIGKILL)
 
     def detected(self) -> bool:
@@ -286,7 +286,7 @@ class SchedulerBlackhole(SchedulerCrash):
             link.proc.send_signal(BLACKHOLE_SIGNAL)
 
     def _heal(self, federation: Federation) -> None:
-        for i in range(1, federation.config.scheduler_replicas):
+        for i in range(1, federation.config.scheduler.replicas):
             for link in federation.links_to_scheduler(i):
                 link.proc.send_signal(BLACKHOLE_SIGNAL)
 

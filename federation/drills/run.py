@@ -302,7 +302,7 @@ def drill_config(args: argparse.Namespace) -> Config:
     the usual 18,000)."""
     gpus = defaults_for(args.scenario, args.quick).gpus if args.config is None else None
     base = bench_config(args.config, args.speed, None, args.stream_interval, gpus)
-    return dataclasses.replace(base, gateway_processes=math.ceil(args.open_requests / GATEWAY_STREAMS_PER_PROCESS))
+    return base.with_gateway(processes=math.ceil(args.open_requests / GATEWAY_STREAMS_PER_PROCESS))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -389,7 +389,7 @@ def _drill_embedded(args: argparse.Namespace, site: str) -> dict[str, Any]:
         )
         try:
             federation.up()
-            return {**_drill(Target.embedded(federation), args, site), "policy": config.policy}
+            return {**_drill(Target.embedded(federation), args, site), "policy": config.scheduler.policy}
         finally:
             federation.down()
 
@@ -448,7 +448,7 @@ def _check_joining_links(config: Config) -> None:
     """add-site's new site needs its round trips in the config: refused now, not minutes into the
     drill, when it would join."""
     try:
-        config.rtt_between(JOINING_REGION, config.gateway_region)
+        config.rtt_between(JOINING_REGION, config.gateway.region)
         config.rtt_between(JOINING_REGION, config.scheduler_region)
     except ConfigError as exc:
         raise DrillRefused(f"add-site's new site is in {JOINING_REGION}: {exc}") from None

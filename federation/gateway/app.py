@@ -155,8 +155,6 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
     request_id = job.request.request_id  # the client's X-Request-Id or /generate's `rid`, when given
     if config.policy != PREFIX_AWARE_POLICY:  # a baseline routes blind to caches, at the sites too
         job = dataclasses.replace(job, request=dataclasses.replace(job.request, prefix_hashes=()))
-    arrival = Arrival(request_id, request.path, request.headers, received_unix_s, started)
-    record = RequestRecord(arrival, job, app.get(LIMITER_KEY), request.get(HOLDER_KEY))
     answer = answer_for(job)
     route = wire.RouteRequest(
         request_id,
@@ -185,6 +183,8 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         config.failover,
         out,
     )
+    arrival = Arrival(request_id, request.path, request.headers, received_unix_s, started)
+    record = RequestRecord(arrival, job, app.get(LIMITER_KEY), request.get(HOLDER_KEY))  # done in `finally`
     outcome, error = "error", None
     try:
         response = await _answered(generation, answer, out, started)
