@@ -75,7 +75,9 @@ def datapath_config(path: Path | None, speed: float, stream_interval: int, on_fr
         config = config.with_gpus(DATAPATH_GPUS)
     config = config.with_overrides(speed=speed, stream_interval=stream_interval)
     scaled = {k: v / config.speed for k, v in config.rtt_ms.items()}
-    config = dataclasses.replace(config, rtt_ms=scaled, control_rtt_ms=config.rtt_ms).with_gateway(max_connections_per_address=0)
+    config = dataclasses.replace(config, rtt_ms=scaled, control_rtt_ms=config.rtt_ms).with_gateway(
+        max_connections_per_address=0
+    )
     return on_free_ports(config)
 
 

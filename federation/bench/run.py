@@ -41,6 +41,9 @@ from federation.bench.estimates import NO_TRUTH, EstimateSampler
 from federation.bench.peers import ROUTER_POLICIES, FlatRouter
 from federation.bench.truth import site_workloads, workload_of
 from federation.bench.workload import (
+    GSP_GROUPS,
+    GSP_OUTPUT_TOKENS,
+    GSP_PROMPTS_PER_GROUP,
     MLPERF_LIKE_OUTPUTS,
     MLPERF_LIKE_PROMPTS,
     Sample,
@@ -92,6 +95,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "a 2,048-token system prompt each, 128-token questions, 256-token answers); multi-turn: conversations "
         "whose history grows (federation/bench/conversations.py)",
     )
+    for flag, default, what in (
+        ("--gsp-num-groups", GSP_GROUPS, "system prompts"),
+        ("--gsp-prompts-per-group", GSP_PROMPTS_PER_GROUP, "questions after each"),
+        ("--gsp-output-len", GSP_OUTPUT_TOKENS, "answer tokens"),
+    ):
+        p.add_argument(
+            flag, type=runtime.positive_int, default=default, help=f"shared-prefix: {what} (SGLang's flag and default)"
+        )
     p.add_argument("--requests", type=runtime.positive_int, default=DEFAULT_REQUESTS, help="samples per run")
     p.add_argument(
         "--rate", type=runtime.positive_float, default=None, help="Server: arrivals/s (GPU time); omit to search"
@@ -208,7 +219,9 @@ NO_REUSE_TRUTH = "unknown: with prompts that share prefixes a site's truth depen
 def _samples(args: argparse.Namespace) -> list[Sample]:
     """The workload's samples (multi-turn makes its prompts as its conversations go: none)."""
     if args.workload == "shared-prefix":
-        return shared_prefix_samples(args.seed)
+        return shared_prefix_samples(
+            args.seed, args.gsp_num_groups, args.gsp_prompts_per_group, output_tokens=args.gsp_output_len
+        )
     if args.workload == "multi-turn":
         return []
     return _workload(args).samples()
