@@ -53,6 +53,7 @@ MEASURES = {
     "bench": ("federation.bench.run", "measure the federation, its sites alone and the peers"),
     "drill": ("federation.drills.run", "inject a fault under load and measure what it cost"),
     "fuzz": ("federation.fuzz", "send generated hostile requests while valid traffic flows"),
+    "simulate": ("federation.simulate.run", "the routing policy at scale, simulated (no processes)"),
 }
 
 # What those commands import from the `tools` extra (pyproject.toml), which the runtime processes
@@ -547,7 +548,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-    """bench, drill and fuzz: long runs that start their own federation."""
+    """bench, drill, fuzz and simulate: long runs of their own."""
     signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: every process the run started stops too
     try:
         return importlib.import_module(MEASURES[args.command][0]).main(args)
@@ -563,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         port_range()  # a bad FEDERATION_PORT_RANGE is said before anything starts
-        if args.command in ("bench", "drill", "fuzz"):
+        if args.command in MEASURES:
             return cmd_measure(args)
         if args.command == "site":
             return cmd_site(args)

@@ -1,0 +1,1 @@
+"""The federation simulated beyond what this machine can run (`fedctl simulate`)."""
