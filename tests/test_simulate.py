@@ -79,19 +79,8 @@ def test_the_world_is_mixed_and_its_round_trips_symmetric() -> None:
 
 def test_fedctl_simulate_writes_the_issues_keys(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
-    args = [
-        "--policy-quality",
-        "--sites",
-        "3",
-        "--added",
-        "1",
-        "--warmup-s",
-        "30",
-        "--window-s",
-        "20",
-        "--json",
-        str(out),
-    ]
+    sizes = {"--sites": 2, "--added": 1, "--warmup-s": 30, "--window-s": 20}  # a smoke run: seconds
+    args = ["--policy-quality", *(str(x) for pair in sizes.items() for x in pair), "--json", str(out)]
     proc = subprocess.run(
         [sys.executable, "-m", "federation.cli", "simulate", *args],
         cwd=PROJECT_ROOT,
