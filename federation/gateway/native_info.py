@@ -108,6 +108,7 @@ class Site:
             num_waiting_reqs=s.queued_requests,
             num_used_tokens=s.context_tokens,
             num_total_tokens=s.context_tokens,
+            num_active_tokens=s.context_tokens,  # num_total_tokens outside disaggregated decode, as SGLang's
             max_total_num_tokens=self.kv_tokens,
             token_usage=s.kv_usage,
             gen_throughput=s.gen_throughput_tok_s,
