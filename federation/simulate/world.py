@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from scheduler.capacity import PRIOR_TOK_S_PER_GPU
+from scheduler.capacity import prior_capacity_tok_s
 
 REGIONS = (
     "us-west-2",
@@ -82,7 +82,7 @@ class SimSite:
     @property
     def prior_tok_s(self) -> float:
         """What it declares: the GPU's prior (MLPerf per-GPU figure) times its GPUs."""
-        return PRIOR_TOK_S_PER_GPU[self.gpu] * self.gpus
+        return prior_capacity_tok_s(self.gpu, self.gpus)
 
 
 def make_sites(count: int, seed: int, slower_share: float, regions: tuple[str, ...] = REGIONS) -> list[SimSite]:
