@@ -220,7 +220,10 @@ async def _sustain(c: _Client) -> list[Result]:
                     failed_in_a_row = 0 if result.ok else failed_in_a_row + 1
                     if failed_in_a_row:
                         backoff_s = min(LANE_BACKOFF_MAX_S, LANE_BACKOFF_S * 2 ** (failed_in_a_row - 1))
-                        await asyncio.sleep(min(backoff_s, c.stop_at - time.monotonic()))
+                        if time.monotonic() + backoff_s >= c.stop_at:
+                            break  # the back-off outlasts the run; a sleep cut to stop_at can wake a
+                            # hair early (the loop's clock) and send once more after the window
+                        await asyncio.sleep(backoff_s)
 
             await asyncio.gather(*(lane(k) for k in range(c.lanes)))
     return results
