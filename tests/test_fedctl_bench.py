@@ -4,6 +4,7 @@ baseline policy, with the issue's JSON keys (the real runs are long; see docs/BE
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from core.processes import PROJECT_ROOT
+from tests.conftest import fedctl
 from tests.test_federation import _config
 
 KEYS = {
@@ -92,6 +94,10 @@ def test_sustained_offline_measures_a_window(tmp_path: Path) -> None:
     assert report["output_tokens_per_s"] == pytest.approx(report["output_tokens"] / 12.0, rel=1e-3)
     assert all(run["sustained"]["window_s"] == 12.0 for run in report["standalone_runs"].values())
     assert 4 <= sum(run["requests_cut"] for run in report["standalone_runs"].values()) <= 8  # the 8 shared out
+    for name, run in report["standalone_runs"].items():  # each site alone: its own estimate's error
+        assert set(run["capacity_error"]) == {name}, run["capacity_error"]
+        error = run["capacity_error"][name]
+        assert error["bins"] >= 1 and math.isfinite(error["max"]) and 0 <= error["mean"] <= error["max"], error
     assert KEYS <= set(report)
     assert set(report["standalone"]) == {"kr-mi300x", "us-mi355x"} and min(report["standalone"].values()) > 0
     expected = report["steady_output_tokens_per_s"] / sum(report["standalone"].values())
@@ -142,22 +148,32 @@ def test_datapath_reports_cpu_per_token_per_hop_beside_the_router(tmp_path: Path
     )
 
 
+def test_a_workloads_flag_given_for_another_is_refused() -> None:
+    """`--conversations` belongs to multi-turn, `--gsp-*` to shared-prefix: with another workload
+    they would change nothing, so the run is refused before anything starts, saying which."""
+    proc = fedctl("bench", "--gsp-num-groups", "4")
+    assert proc.returncode == 2 and "--gsp-num-groups is for --workload shared-prefix, not mlperf-like" in proc.stderr
+    proc = fedctl("bench", "--workload", "shared-prefix", "--conversations", "4")
+    assert proc.returncode == 2 and "--conversations is for --workload multi-turn" in proc.stderr, proc.stderr
+
+
 @pytest.mark.timeout(300)
 def test_the_reuse_workloads_measure_cache_hits_and_affinity(tmp_path: Path) -> None:
     """SGLang's shared-prefix set and multi-turn conversations, each through the federation and
     round robin: every request answered; the federation finds most prompt tokens in the sites'
     prefix caches and round robin (blind to caches at every level) fewer; a conversation's turns
     stay at its site."""
-    groups = ("--gsp-num-groups", "24", "--gsp-output-len", "128")  # SGLang's set, a third of its groups
+    groups = ("--gsp-num-groups", "16", "--gsp-output-len", "128")  # SGLang's set, a quarter of its groups
     shared = _bench(
         tmp_path, "--workload", "shared-prefix", *groups, "--max-in-flight", "64", "--compare", "round_robin"
     )
-    assert shared["workload"] == "shared-prefix" and shared["requests"] == 24 * 16 and shared["requests_failed"] == 0
+    assert shared["workload"] == "shared-prefix" and shared["requests"] == 16 * 16 and shared["requests_failed"] == 0
     blind = shared["comparisons"]["round_robin"]
     assert shared["cache_hit_rate"] > 0.6 and blind["cache_hit_rate"] < shared["cache_hit_rate"], (
         shared["cache_hit_rate"],
         blind["cache_hit_rate"],
     )
-    turns = _bench(tmp_path, "--workload", "multi-turn", "--compare", "round_robin")
+    turns = _bench(tmp_path, "--workload", "multi-turn", "--conversations", "64", "--compare", "round_robin")
+    assert turns["conversations"] == 64 and turns["requests"] == 64 * 6
     assert turns["requests_failed"] == 0 and turns["affinity"] >= 0.95 and turns["cache_hit_rate"] > 0.5, turns
     assert turns["comparisons"]["round_robin"]["affinity"] < 0.9

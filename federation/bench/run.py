@@ -95,14 +95,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "a 2,048-token system prompt each, 128-token questions, 256-token answers); multi-turn: conversations "
         "whose history grows (federation/bench/conversations.py)",
     )
-    for flag, default, what in (
-        ("--gsp-num-groups", GSP_GROUPS, "system prompts"),
-        ("--gsp-prompts-per-group", GSP_PROMPTS_PER_GROUP, "questions after each"),
-        ("--gsp-output-len", GSP_OUTPUT_TOKENS, "answer tokens"),
+    for flag, what in (
+        ("--gsp-num-groups", f"system prompts (SGLang's flag; default {GSP_GROUPS})"),
+        ("--gsp-prompts-per-group", f"questions after each (SGLang's flag; default {GSP_PROMPTS_PER_GROUP})"),
+        ("--gsp-output-len", f"answer tokens (SGLang's flag; default {GSP_OUTPUT_TOKENS})"),
     ):
-        p.add_argument(
-            flag, type=runtime.positive_int, default=default, help=f"shared-prefix: {what} (SGLang's flag and default)"
-        )
+        p.add_argument(flag, type=runtime.positive_int, default=None, help=f"shared-prefix: {what}")
+    p.add_argument(
+        "--conversations",
+        type=runtime.positive_int,
+        default=None,
+        help=f"multi-turn: conversations (default {conversations.CONVERSATIONS})",
+    )
+    p.add_argument(
+        "--turns", type=runtime.positive_int, default=None, help=f"multi-turn: turns of each (default {conversations.TURNS})"
+    )
     p.add_argument("--requests", type=runtime.positive_int, default=DEFAULT_REQUESTS, help="samples per run")
     p.add_argument(
         "--rate", type=runtime.positive_float, default=None, help="Server: arrivals/s (GPU time); omit to search"
@@ -212,6 +219,28 @@ def _on_free_ports(config: Config) -> Config:
 
 
 WORKLOADS = ("mlperf-like", "shared-prefix", "multi-turn")
+# Each workload's own flags (argparse's dest) and their defaults. Given for another workload
+# they would change nothing, so they are refused (`workload_flags`).
+WORKLOAD_FLAGS: dict[str, dict[str, int]] = {
+    "shared-prefix": {
+        "gsp_num_groups": GSP_GROUPS,
+        "gsp_prompts_per_group": GSP_PROMPTS_PER_GROUP,
+        "gsp_output_len": GSP_OUTPUT_TOKENS,
+    },
+    "multi-turn": {"conversations": conversations.CONVERSATIONS, "turns": conversations.TURNS},
+}
+
+
+def workload_flags(args: argparse.Namespace) -> str | None:
+    """Fills in the defaults of the run's workload flags; says which flag was given for another
+    workload (None when none was)."""
+    for workload, flags in WORKLOAD_FLAGS.items():
+        for dest, default in flags.items():
+            if getattr(args, dest) is None:
+                setattr(args, dest, default)
+            elif args.workload != workload:
+                return f"--{dest.replace('_', '-')} is for --workload {workload}, not {args.workload}"
+    return None
 # A prefix cache hit skips prefill, so what a site truly delivers then depends on how many hit.
 NO_REUSE_TRUTH = "unknown: with prompts that share prefixes a site's truth depends on its cache hits"
 
@@ -283,7 +312,7 @@ def _offline(
 
 def _conversations(endpoint: str, args: argparse.Namespace, speed: float, label: str) -> dict[str, Any]:
     """Every conversation to its end (conversations.py): the run's keys, over all their turns."""
-    runs = conversations.run(endpoint, conversations.Conversations(seed=args.seed), speed, label)
+    runs = conversations.run(endpoint, conversations.Conversations(args.conversations, args.turns, seed=args.seed), speed, label)
     results = [r for turns in runs for r in turns]
     summary = scenarios.summarize(results, scenario="offline", policy=label, speed=speed)
     return {**summary, "affinity": conversations.affinity(runs), "conversations": len(runs)}
@@ -423,6 +452,9 @@ def _run_on(start, samples: Sequence[Sample], args: argparse.Namespace, speed: f
 
 
 def main(args: argparse.Namespace) -> int:
+    if (refused := workload_flags(args)) is not None:
+        print(f"fedctl bench: {refused}", file=sys.stderr)
+        return 2
     samples = _samples(args)
     if args.datapath:
         return _datapath(args, samples)
