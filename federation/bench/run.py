@@ -108,7 +108,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"multi-turn: conversations (default {conversations.CONVERSATIONS})",
     )
     p.add_argument(
-        "--turns", type=runtime.positive_int, default=None, help=f"multi-turn: turns of each (default {conversations.TURNS})"
+        "--turns",
+        type=runtime.positive_int,
+        default=None,
+        help=f"multi-turn: turns of each (default {conversations.TURNS})",
     )
     p.add_argument("--requests", type=runtime.positive_int, default=DEFAULT_REQUESTS, help="samples per run")
     p.add_argument(
@@ -241,6 +244,8 @@ def workload_flags(args: argparse.Namespace) -> str | None:
             elif args.workload != workload:
                 return f"--{dest.replace('_', '-')} is for --workload {workload}, not {args.workload}"
     return None
+
+
 # A prefix cache hit skips prefill, so what a site truly delivers then depends on how many hit.
 NO_REUSE_TRUTH = "unknown: with prompts that share prefixes a site's truth depends on its cache hits"
 
@@ -312,7 +317,9 @@ def _offline(
 
 def _conversations(endpoint: str, args: argparse.Namespace, speed: float, label: str) -> dict[str, Any]:
     """Every conversation to its end (conversations.py): the run's keys, over all their turns."""
-    runs = conversations.run(endpoint, conversations.Conversations(args.conversations, args.turns, seed=args.seed), speed, label)
+    runs = conversations.run(
+        endpoint, conversations.Conversations(args.conversations, args.turns, seed=args.seed), speed, label
+    )
     results = [r for turns in runs for r in turns]
     summary = scenarios.summarize(results, scenario="offline", policy=label, speed=speed)
     return {**summary, "affinity": conversations.affinity(runs), "conversations": len(runs)}
