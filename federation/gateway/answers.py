@@ -144,31 +144,44 @@ class _OpenAIAnswer(Answer):
         raise NotImplementedError
 
 
+class _Said:
+    """A non-streamed answer's text and ids, kept as its chunks come (a stream's go out as they
+    come and are not kept)."""
+
+    __slots__ = ("output_ids", "parts")
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.output_ids: list[int] = []
+
+    def add(self, chunk: Chunk) -> None:
+        self.parts.append(chunk.text)
+        self.output_ids.extend(chunk.output_ids)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
 class GenerateAnswer(Answer):
     """SGLang's native /generate: text, ids and meta_info; a stream's events are cumulative."""
 
     def __init__(self, job: Job) -> None:
         super().__init__(job)
-        self.text_parts: list[str] = []
-        self.output_ids: list[int] = []
+        self.said = _Said()
         self.logprob_parts: list[Any] = []  # (id, logprob, top) per token
         self._text_json = bytearray()  # a stream's text so far, escaped for a JSON string
         self._ids_json = bytearray()  # a stream's ids so far, comma-separated
 
     def _take(self, chunk: Chunk) -> None:
-        if not self.job.stream:  # a stream's text and ids go out as they come, and are not kept
-            self.text_parts.append(chunk.text)
-            self.output_ids.extend(chunk.output_ids)
+        if not self.job.stream:
+            self.said.add(chunk)
         if self._logprobs_asked:
             top = chunk.top or ((),) * len(chunk.logprobs)
             self.logprob_parts += zip(chunk.output_ids, chunk.logprobs, top, strict=False)
 
-    @property
-    def text(self) -> str:
-        return "".join(self.text_parts)
-
     def body(self, e2e_latency_s: float) -> dict[str, Any]:
-        return {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info(e2e_latency_s)}
+        return {"text": self.said.text, "output_ids": self.said.output_ids, "meta_info": self.meta_info(e2e_latency_s)}
 
     def meta_info(self, e2e_latency_s: float | None) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -205,8 +218,7 @@ class CompletionAnswer(_OpenAIAnswer):
 
     def __init__(self, job: Job) -> None:
         super().__init__(job)
-        self.text_parts: list[str] = []
-        self.output_ids: list[int] = []
+        self.said = _Said()
         self.logprob_parts: list[Any] = []  # OpenAI's logprobs parts, one per chunk
         self._completion_logprobs = logprobs.CompletionLogprobs()
         self._chunk_logprobs: Any = None
@@ -215,16 +227,11 @@ class CompletionAnswer(_OpenAIAnswer):
 
     def _take(self, chunk: Chunk) -> None:
         if not self.job.stream:
-            self.text_parts.append(chunk.text)
-            self.output_ids.extend(chunk.output_ids)
+            self.said.add(chunk)
         if self._logprobs_asked:
             ids = chunk.output_ids[: len(chunk.logprobs)]
             self._chunk_logprobs = self._completion_logprobs.add(ids, chunk.logprobs, chunk.top)
             self.logprob_parts.append(self._chunk_logprobs)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_parts)
 
     def flowed(
         self, text: str, output_ids: tuple[int, ...], completion_tokens: int, site: str, started: float
@@ -237,7 +244,7 @@ class CompletionAnswer(_OpenAIAnswer):
     def body(self, e2e_latency_s: float) -> dict[str, Any]:
         choice = {
             "index": 0,
-            "text": self.text,
+            "text": self.said.text,
             "logprobs": logprobs.merge_completion(self.logprob_parts),
             "finish_reason": self._finish_reason(),
         }
