@@ -16,7 +16,11 @@ request costs at its measured speed, so long prompts go where prefill is cheap, 
 runs a mix of its own (measured in the drills: prompts of ~550 tokens at the MI300X site, ~1,130
 at the MI355X one, for a federation-wide ~1,000). A site that has finished too little to say
 (one that just joined) has the federation's mix; until enough has finished anywhere, the
-MLPerf-like shape the GPU priors were measured on.
+MLPerf-like shape the GPU priors were measured on. A site that has said its shape and then
+finishes too little for a while keeps the shape it last said, as the federation's mix does: one
+back from an outage runs only young requests, which finish little for minutes, and what
+routing sends it did not change while it was away (the site-blackhole drill read Korea on the
+federation's mix, US-shaped, 13 % low, until its end).
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class WorkloadMix:
         self._totals: dict[str, tuple[int, int]] = {}  # site -> its last (prompt, output) counters
         self._federation = _Sums()
         self._sites: dict[str, _Sums] = {}
+        self._shapes: dict[str, Workload] = {}  # each site's mix, as it last said it
         self.current = REFERENCE  # the federation's mix
 
     def observe(self, report: SiteReport, now: float) -> None:
@@ -86,15 +91,18 @@ class WorkloadMix:
         prompt, output = report.prompt_tokens_total - last[0], report.generation_tokens_total - last[1]
         if prompt < 0 or output < 0:
             prompt, output = report.prompt_tokens_total, report.generation_tokens_total
-        for sums in (self._federation, self._sites.setdefault(report.site, _Sums())):
+        site = self._sites.setdefault(report.site, _Sums())
+        for sums in (self._federation, site):
             sums.add(prompt, output, report.context_tokens, report.running_requests, now)
         self.current = self._federation.shape() or self.current
+        if (shape := site.shape()) is not None:
+            self._shapes[report.site] = shape
 
     def of(self, site: str) -> Workload:
-        """The mix `site` runs: its own once it has finished enough, else the federation's."""
-        sums = self._sites.get(site)
-        return (sums.shape() if sums else None) or self.current
+        """The mix `site` runs: its own as it last said it, else the federation's."""
+        return self._shapes.get(site) or self.current
 
     def forget(self, site: str) -> None:
         self._totals.pop(site, None)
         self._sites.pop(site, None)
+        self._shapes.pop(site, None)

@@ -267,6 +267,37 @@ def test_each_site_is_scaled_to_the_mix_it_runs() -> None:
     assert long_prompts.workload_factor() < 0.7 and abs(reference.workload_factor() - 1) < 0.01
 
 
+def test_a_site_back_from_an_outage_keeps_its_shape() -> None:
+    """Site a finishes short answers to long prompts, b MLPerf-like work; a goes silent for 60 s
+    (a blackhole) and comes back running only young requests, which finish nothing for another
+    60 s. Its shape is still its own, not the federation's (b's, by then): the site-blackhole
+    drill read Korea on the federation's mix, 13 % low, for the whole window after the heal."""
+    mix = WorkloadMix()
+    batch = PROFILES["mi355x"].max_running_requests
+    a, b = Site(PROFILES["mi355x"], name="a"), Site(PROFILES["mi355x"], name="b")
+    est_a = CapacityEstimator.for_site("mi355x", 16, mix, site="a")
+    est_b = CapacityEstimator.for_site("mi355x", 16, mix, site="b")
+    reference = (batch, REFERENCE.context_per_request, batch * REFERENCE.prompt_per_output)
+    for _ in range(30):
+        a.run(est_a, 1, batch, SHORT_ANSWERS.context_per_request, batch * 5.0, mix=mix, slots=16 * batch)
+        b.run(est_b, 1, *reference, mix=mix, slots=16 * batch)
+    b.run(est_b, 60, *reference, mix=mix, slots=16 * batch)  # a is silent
+    for second in range(60):  # a is back: its counters move no further, nothing has finished
+        young = SiteReport(
+            "a",
+            healthy_workers=16,
+            total_workers=16,
+            running_requests=16 * batch,
+            context_tokens=round(16 * batch * 300),
+            generation_tokens_total=a.relayed,
+            prompt_tokens_total=round(a.relayed * 5.0),
+        )
+        mix.observe(young, b.at + second)
+        b.run(est_b, 1, *reference, mix=mix, slots=16 * batch)
+    assert abs(mix.current.prompt_per_output / REFERENCE.prompt_per_output - 1) < 0.05  # b's, by now
+    assert abs(mix.of("a").prompt_per_output / 5.0 - 1) < 0.01
+
+
 def test_capacity_follows_the_shape_of_the_work() -> None:
     """An MI355X site decoding short answers to long prompts at its declared pace: each step also
     prefills the requests replacing those finishing, so it delivers ~40 % less than on MLPerf-like
