@@ -95,24 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "a 2,048-token system prompt each, 128-token questions, 256-token answers); multi-turn: conversations "
         "whose history grows (federation/bench/conversations.py)",
     )
-    for flag, what in (
-        ("--gsp-num-groups", f"system prompts (SGLang's flag; default {GSP_GROUPS})"),
-        ("--gsp-prompts-per-group", f"questions after each (SGLang's flag; default {GSP_PROMPTS_PER_GROUP})"),
-        ("--gsp-output-len", f"answer tokens (SGLang's flag; default {GSP_OUTPUT_TOKENS})"),
-    ):
-        p.add_argument(flag, type=runtime.positive_int, default=None, help=f"shared-prefix: {what}")
-    p.add_argument(
-        "--conversations",
-        type=runtime.positive_int,
-        default=None,
-        help=f"multi-turn: conversations (default {conversations.CONVERSATIONS})",
-    )
-    p.add_argument(
-        "--turns",
-        type=runtime.positive_int,
-        default=None,
-        help=f"multi-turn: turns of each (default {conversations.TURNS})",
-    )
+    for workload, flags in WORKLOAD_FLAGS.items():
+        for dest, (default, what) in flags.items():
+            flag = "--" + dest.replace("_", "-")
+            p.add_argument(
+                flag, type=runtime.positive_int, default=None, help=f"{workload}: {what} (default {default})"
+            )
     p.add_argument("--requests", type=runtime.positive_int, default=DEFAULT_REQUESTS, help="samples per run")
     p.add_argument(
         "--rate", type=runtime.positive_float, default=None, help="Server: arrivals/s (GPU time); omit to search"
@@ -222,15 +210,18 @@ def _on_free_ports(config: Config) -> Config:
 
 
 WORKLOADS = ("mlperf-like", "shared-prefix", "multi-turn")
-# Each workload's own flags (argparse's dest) and their defaults. Given for another workload
-# they would change nothing, so they are refused (`workload_flags`).
-WORKLOAD_FLAGS: dict[str, dict[str, int]] = {
-    "shared-prefix": {
-        "gsp_num_groups": GSP_GROUPS,
-        "gsp_prompts_per_group": GSP_PROMPTS_PER_GROUP,
-        "gsp_output_len": GSP_OUTPUT_TOKENS,
+# Each workload's own flags (argparse's dest), their defaults and what they say. Given for
+# another workload they would change nothing, so they are refused (`workload_flags`).
+WORKLOAD_FLAGS: dict[str, dict[str, tuple[int, str]]] = {
+    "shared-prefix": {  # SGLang's bench_serving flags
+        "gsp_num_groups": (GSP_GROUPS, "system prompts"),
+        "gsp_prompts_per_group": (GSP_PROMPTS_PER_GROUP, "questions after each"),
+        "gsp_output_len": (GSP_OUTPUT_TOKENS, "answer tokens"),
     },
-    "multi-turn": {"conversations": conversations.CONVERSATIONS, "turns": conversations.TURNS},
+    "multi-turn": {
+        "conversations": (conversations.CONVERSATIONS, "conversations"),
+        "turns": (conversations.TURNS, "turns of each"),
+    },
 }
 
 
@@ -238,7 +229,7 @@ def workload_flags(args: argparse.Namespace) -> str | None:
     """Fills in the defaults of the run's workload flags; says which flag was given for another
     workload (None when none was)."""
     for workload, flags in WORKLOAD_FLAGS.items():
-        for dest, default in flags.items():
+        for dest, (default, _) in flags.items():
             if getattr(args, dest) is None:
                 setattr(args, dest, default)
             elif args.workload != workload:
