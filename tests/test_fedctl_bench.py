@@ -113,6 +113,7 @@ def test_datapath_reports_cpu_per_token_per_hop_beside_the_router(tmp_path: Path
     config, _ = _config(tmp_path, sites, gpus=1)
     out = tmp_path / "datapath.json"
     args = ["--datapath", "--config", str(config), "--speed", "1", "--max-in-flight", "24", "--requests", "120"]
+    args += ["--scale-gateways", "2"]
     args += ["--output-mean", "60", "--warmup-s", "2", "--sustain-s", "2", "--json", str(out)]
     proc = subprocess.run(
         [sys.executable, "-m", "federation.cli", "bench", *args],
@@ -135,6 +136,16 @@ def test_datapath_reports_cpu_per_token_per_hop_beside_the_router(tmp_path: Path
     assert all(w is not None and w >= 0 for w in waits.values()), waits
     for name, phase in report["phases"].items():
         assert phase["requests_failed"] == 0, (name, phase["errors"])
+    # The federation phase again with two gateway processes on the one port: both measured.
+    scaling = report["gateway_scaling"]
+    assert (
+        set(scaling) == {"1", "2"} and report["phases"]["federation, 2 gateway processes"]["processes"]["gateway"] == 2
+    )
+    for run in scaling.values():
+        assert (
+            run["tokens_per_s"] > 0 and run["gateway_cpu_us_per_token"] > 0 and run["gateway_cores_per_100k_tok_s"] > 0
+        )
+    assert report["gateway_cores_per_100k_tok_s"] == scaling["1"]["gateway_cores_per_100k_tok_s"]
     # Each agent's reporter process (its multiprocessing child, beside multiprocessing's tracker) is
     # measured as the agent's, the emulated workers it also started as the emulator's.
     processes = report["phases"]["federation"]["processes"]
@@ -155,6 +166,14 @@ def test_a_workloads_flag_given_for_another_is_refused() -> None:
     assert proc.returncode == 2 and "--gsp-num-groups is for --workload shared-prefix, not mlperf-like" in proc.stderr
     proc = fedctl("bench", "--workload", "shared-prefix", "--conversations", "4")
     assert proc.returncode == 2 and "--conversations is for --workload multi-turn" in proc.stderr, proc.stderr
+
+
+def test_scaling_gateways_out_is_a_datapath_measurement() -> None:
+    """`--scale-gateways N` re-runs the datapath's federation phase with N gateway processes: without
+    --datapath, or with N below 2, it is refused before anything starts."""
+    for args in (["--scale-gateways", "2"], ["--datapath", "--scale-gateways", "1"]):
+        proc = fedctl("bench", *args)
+        assert proc.returncode == 2 and "--scale-gateways N needs --datapath and N of 2 or more" in proc.stderr
 
 
 @pytest.mark.timeout(300)

@@ -157,6 +157,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(see federation/bench/datapath.py)",
     )
     p.add_argument(
+        "--scale-gateways",
+        type=runtime.positive_int,
+        default=None,
+        metavar="N",
+        help="with --datapath: the federation phase again with N gateway processes sharing its port "
+        "(SO_REUSEPORT), and the gateway tier's CPU per token and per 100 k tok/s at 1 and N",
+    )
+    p.add_argument(
         "--insecure",
         action="store_true",
         help="plaintext gRPC between the federation's processes (default: mutual TLS), to measure what TLS costs",
@@ -452,6 +460,9 @@ def _run_on(start, samples: Sequence[Sample], args: argparse.Namespace, speed: f
 def main(args: argparse.Namespace) -> int:
     if (refused := workload_flags(args)) is not None:
         print(f"fedctl bench: {refused}", file=sys.stderr)
+        return 2
+    if args.scale_gateways is not None and (not args.datapath or args.scale_gateways < 2):
+        print("fedctl bench: --scale-gateways N needs --datapath and N of 2 or more", file=sys.stderr)
         return 2
     samples = _samples(args)
     if args.datapath:
