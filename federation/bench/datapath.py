@@ -332,11 +332,13 @@ def run(args: argparse.Namespace, samples: Sequence[Sample], config: Config, log
             phases["sglang-router"] = _phase(router.endpoint, samples, args, open_requests, router_kinds, "router", {})
     finally:
         federation.down()
-    if args.scale_gateways:
-        phases[f"federation, {args.scale_gateways} gateway processes"] = _scaled_out(
-            args, samples, config.with_gateway(processes=args.scale_gateways), log, open_requests, one_way_ms
-        )
     ours, peer = phases["federation"], phases["sglang-router"]
+    scaled = None
+    if args.scale_gateways:
+        label = f"federation, {args.scale_gateways} gateway processes"
+        scaled = phases[label] = _scaled_out(
+            args, samples, config.with_gateway(processes=args.scale_gateways), log, open_requests, one_way_ms, label
+        )
     router_us = peer["cpu_us_per_token"].get("router")
     return {
         "benchmark": "datapath",
@@ -364,7 +366,7 @@ def run(args: argparse.Namespace, samples: Sequence[Sample], config: Config, log
         "saturated": ours["saturated"],
         "runqueue_wait_us_per_wakeup": ours["runqueue_wait_us_per_wakeup"],
         "gateway_cores_per_100k_tok_s": _cores_per_100k(ours),
-        **({"gateway_scaling": _gateway_scaling(phases)} if args.scale_gateways else {}),
+        **({"gateway_scaling": _gateway_scaling((ours, scaled))} if scaled else {}),
         "phases": phases,
     }
 
@@ -376,13 +378,13 @@ def _scaled_out(
     log: IO[str],
     open_requests: int,
     one_way_ms: dict[str, float],
+    label: str,
 ) -> dict[str, Any]:
     """The `federation` phase again, on a federation whose gateway is `config.gateway.processes`
     processes sharing its port (SO_REUSEPORT), each taking the connections the kernel gives it."""
     federation = Federation(config, log, insecure=args.insecure)
     try:
         federation.up()
-        label = f"federation, {config.gateway.processes} gateway processes"
         return _phase(
             config.gateway_url + "/v1", samples, args, open_requests, _federation_kinds(federation), label, one_way_ms
         )
@@ -396,22 +398,22 @@ def _cores_per_100k(phase: dict[str, Any]) -> float | None:
     return round(us * 100_000 / 1e6, 3) if us is not None else None
 
 
-def _gateway_scaling(phases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """One gateway process against several (the one scaled-out phase): tokens/s, the gateway
-    tier's CPU per token and its cores, per 100 k tok/s too, and whether the machine was out of CPU."""
-    out = {}
-    for name, phase in phases.items():
-        if name == "federation" or name.endswith("gateway processes"):
-            out[str(phase["processes"]["gateway"])] = {
-                "tokens_per_s": phase["tokens_per_s"],
-                "gateway_cpu_us_per_token": phase["cpu_us_per_token"].get("gateway"),
-                "gateway_cpu_cores": phase["cpu_cores"].get("gateway"),
-                "gateway_cores_per_100k_tok_s": _cores_per_100k(phase),
-                "machine_busy_share": phase["machine_busy_share"],
-                "saturated": phase["saturated"],
-                "requests_failed": phase["requests_failed"],
-            }
-    return out
+def _gateway_scaling(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One gateway process against several (the federation phase and the scaled-out one), keyed
+    by their gateway processes: tokens/s, the gateway tier's CPU per token and its cores, per
+    100 k tok/s too, and whether the machine was out of CPU."""
+    return {
+        str(phase["processes"]["gateway"]): {
+            "tokens_per_s": phase["tokens_per_s"],
+            "gateway_cpu_us_per_token": phase["cpu_us_per_token"].get("gateway"),
+            "gateway_cpu_cores": phase["cpu_cores"].get("gateway"),
+            "gateway_cores_per_100k_tok_s": _cores_per_100k(phase),
+            "machine_busy_share": phase["machine_busy_share"],
+            "saturated": phase["saturated"],
+            "requests_failed": phase["requests_failed"],
+        }
+        for phase in runs
+    }
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
