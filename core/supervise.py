@@ -55,11 +55,24 @@ class Supervisor:
         self.failed = asyncio.Event()
         self.exit_code = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._brief: set[asyncio.Task[None]] = set()
 
     def essential(self, name: str, awaitable: Awaitable[None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(awaitable)
         task.add_done_callback(lambda done: self._ended(name, done))
         self._tasks.append(task)
+        return task
+
+    def brief(self, name: str, awaitable: Awaitable[None]) -> asyncio.Task[None]:
+        """A short task under the same rule (one of many, a request's), forgotten once it ends."""
+        task = asyncio.ensure_future(awaitable)
+        self._brief.add(task)
+
+        def ended(done: asyncio.Task[None]) -> None:
+            self._brief.discard(done)
+            self._ended(name, done)
+
+        task.add_done_callback(ended)
         return task
 
     def _ended(self, name: str, task: asyncio.Task[None]) -> None:
@@ -72,6 +85,7 @@ class Supervisor:
 
     async def close(self) -> None:
         """Cancel what still runs, and wait for it to end."""
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._brief]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -225,6 +225,7 @@ class FederationState:
     sites: tuple[SiteState, ...]
     model: str
     refused: tuple[RefusedSite, ...] = ()
+    built_unix_s: float = 0.0  # when the replica built it (its wall clock; 0: not said)
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,7 +374,9 @@ def site_state_to_pb(s: SiteState) -> pb.SiteState:
 
 def federation_state_to_pb(s: FederationState) -> pb.FederationState:
     refused = [pb.RefusedSite(**_plain(r)) for r in s.refused]
-    return pb.FederationState(sites=[site_state_to_pb(x) for x in s.sites], model=s.model, refused=refused)
+    return pb.FederationState(
+        sites=[site_state_to_pb(x) for x in s.sites], model=s.model, refused=refused, built_unix_s=s.built_unix_s
+    )
 
 
 def _generate_request_to_pb(stream: int, r: GenerateRequest) -> pb.GenerateRequest:
@@ -499,7 +502,7 @@ def site_state_from_pb(m: pb.SiteState) -> SiteState:
 
 def federation_state_from_pb(m: pb.FederationState) -> FederationState:
     refused = tuple(RefusedSite(r.name, r.reason, r.at_unix_s) for r in m.refused)
-    return FederationState(tuple(site_state_from_pb(s) for s in m.sites), m.model, refused)
+    return FederationState(tuple(site_state_from_pb(s) for s in m.sites), m.model, refused, m.built_unix_s)
 
 
 def generate_command_from_pb(m: pb.GenerateCommand) -> GenerateCommand:

@@ -53,7 +53,7 @@ MEASURES = {
     "bench": ("federation.bench.run", "measure the federation, its sites alone and the peers"),
     "drill": ("federation.drills.run", "inject a fault under load and measure what it cost"),
     "fuzz": ("federation.fuzz", "send generated hostile requests while valid traffic flows"),
-    "simulate": ("federation.simulate.run", "the routing policy at scale, simulated (no processes)"),
+    "simulate": ("federation.simulate.run", "the control plane and the routing policy at scale, simulated"),
 }
 
 # What those commands import from the `tools` extra (pyproject.toml), which the runtime processes

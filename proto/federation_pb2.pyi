@@ -294,14 +294,16 @@ class SiteState(_message.Message):
     def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., status: _Optional[_Union[SiteStatus, str]] = ..., capacity_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., prior_capacity_tok_s: _Optional[float] = ..., capacity_evidence: _Optional[str] = ..., queued_requests: _Optional[int] = ..., slots: _Optional[int] = ..., admit_window: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., status_age_s: _Optional[float] = ..., workers_age_s: _Optional[float] = ..., checkpoint: _Optional[str] = ..., weight_format: _Optional[str] = ..., loading_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., context_tokens: _Optional[int] = ..., clock_speed: _Optional[float] = ..., agent_ceiling_tok_s: _Optional[float] = ...) -> None: ...
 
 class FederationState(_message.Message):
-    __slots__ = ("sites", "model", "refused")
+    __slots__ = ("sites", "model", "refused", "built_unix_s")
     SITES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    BUILT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     sites: _containers.RepeatedCompositeFieldContainer[SiteState]
     model: str
     refused: _containers.RepeatedCompositeFieldContainer[RefusedSite]
-    def __init__(self, sites: _Optional[_Iterable[_Union[SiteState, _Mapping]]] = ..., model: _Optional[str] = ..., refused: _Optional[_Iterable[_Union[RefusedSite, _Mapping]]] = ...) -> None: ...
+    built_unix_s: float
+    def __init__(self, sites: _Optional[_Iterable[_Union[SiteState, _Mapping]]] = ..., model: _Optional[str] = ..., refused: _Optional[_Iterable[_Union[RefusedSite, _Mapping]]] = ..., built_unix_s: _Optional[float] = ...) -> None: ...
 
 class RefusedSite(_message.Message):
     __slots__ = ("name", "reason", "at_unix_s")

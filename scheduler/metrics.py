@@ -86,6 +86,11 @@ class SchedulerMetrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
             registry=self.registry,
         )
+        self.reports = Counter(
+            "federation_scheduler_reports",
+            "Site reports applied: what this replica absorbs grows with the sites and their cadence.",
+            registry=self.registry,
+        )
         self.refused_registrations = Counter(
             "federation_scheduler_registrations_refused",
             "Sites that asked to join and were refused.",

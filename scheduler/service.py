@@ -151,6 +151,7 @@ class SchedulerService(wire.SchedulerServicer):
                     raise _StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, "one report stream per site")
                 try:
                     self.registry.apply_report(report, time.monotonic())
+                    self.metrics.reports.inc()
                 except UnknownSite:
                     raise _StreamRefused(grpc.StatusCode.NOT_FOUND, f"site {name!r} was removed") from None
         finally:
@@ -200,7 +201,9 @@ class SchedulerService(wire.SchedulerServicer):
         return decision
 
     def _state(self) -> wire.FederationState:
-        return wire.FederationState(self.registry.states(), self.registry.model, tuple(self.registry.refused.values()))
+        return wire.FederationState(
+            self.registry.states(), self.registry.model, tuple(self.registry.refused.values()), time.time()
+        )
 
     async def GetState(self, request, context):
         await self.guard.admit(context, "GetState")

@@ -92,8 +92,11 @@ class WorkloadMix:
         if prompt < 0 or output < 0:
             prompt, output = report.prompt_tokens_total, report.generation_tokens_total
         site = self._sites.setdefault(report.site, _Sums())
+        # The KV per running request, from a report that says both: one that runs requests and
+        # says no KV (an agent that cannot read it) would make the mix's context 0.
+        running = report.running_requests if report.context_tokens > 0 else 0
         for sums in (self._federation, site):
-            sums.add(prompt, output, report.context_tokens, report.running_requests, now)
+            sums.add(prompt, output, report.context_tokens if running else 0, running, now)
         self.current = self._federation.shape() or self.current
         if (shape := site.shape()) is not None:
             self._shapes[report.site] = shape

@@ -311,3 +311,24 @@ def test_capacity_follows_the_shape_of_the_work() -> None:
     assert abs(est.capacity_tok_s(16, 16) / delivers - 1) < 0.03
     assert delivers < 0.7 * 16 * full_batch_tok_s(PROFILES["mi355x"], REFERENCE)
     assert abs(est.full_site_tok_s / est.declared_model_tok_s - 1) < 0.03
+
+
+def test_a_site_that_says_no_kv_cannot_break_the_mix() -> None:
+    """A site that runs requests and finishes them but reports no KV in use (an agent that cannot
+    read it, or a hostile one) leaves the context per request to the sites that say it: the mix
+    never holds a context of 0, which every site's capacity divides by (a thousand simulated
+    sites that said none broke every replica's state before this was checked)."""
+    mix = WorkloadMix()
+    for second in range(30):
+        blind = SiteReport(
+            "blind",
+            healthy_workers=8,
+            total_workers=8,
+            running_requests=1000,
+            generation_tokens_total=2000 * second,
+            prompt_tokens_total=3000 * second,
+        )
+        mix.observe(blind, float(second))
+    assert mix.current.context_per_request > 0 and mix.of("blind").context_per_request > 0
+    estimator = CapacityEstimator.for_site("mi300x", 8, mix, site="blind")
+    assert estimator.workload_factor() > 0

@@ -1,202 +1,103 @@
-"""`fedctl simulate --policy-quality`: the routing policy at a scale this machine cannot run for
-real, by a discrete-event simulation over the same GPU models and the real `core/policy.py`
-(federation/simulate/des.py says what it simulates and what it leaves out).
+"""`fedctl simulate`: the federation at a scale this machine cannot run for real, two ways.
 
-Four runs on one world (`--sites` sites over eight regions, clients in every region):
-- Offline: each policy keeps the sites full; its efficiency is what it delivers over the sum of
-  what each site delivers alone, in the same window (the MLPerf entry's 97 %).
-- Server: Poisson arrivals at `--server-load` of that sum; each policy's TTFT at the client,
-  round trips included.
-- A region lost: every site of the region with the most capacity dies in the Offline window;
-  what the rest deliver after it, over what they deliver alone.
-- Sites added: eight sites join in the Offline window; how soon they carry their share.
+- `fedctl simulate --sites 64,256,1024`: the control plane. The real scheduler replicas
+  (processes, gRPC, mutual TLS) under the reports of N simulated sites and the Route load of G
+  gateways (federation/simulate/control.py).
+- `fedctl simulate --policy-quality --sites 64`: the routing policy. No processes: a
+  discrete-event simulation over the GPU models and the real `core/policy.py`
+  (federation/simulate/policy_quality.py).
 
-The JSON's keys: `sites`, `regions`, `federation_efficiency`, `round_robin_efficiency`,
-`static_efficiency`, `ttft_p99_ms` (per policy), then each run's details.
+A flag of one mode given with the other is refused (exit 2), not ignored.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 from core import runtime
-from core.gpus import PROFILES
-from core.work import DEFAULT_EXPECTED_OUTPUT_TOKENS
-from federation.simulate.des import Events, Load, Result, Simulation, alone, measured_capacities
-from federation.simulate.world import REGIONS, make_sites, rtt_s
 
-FEDERATION, ROUND_ROBIN, STATIC = "least_expected_delay", "round_robin", "static_weights"
-ADDED_SITES = 8  # the issue's "8 sites added"
-CONVERGED = 0.9  # joined sites have converged once they deliver this share of what they do alone
-SMOOTH_S = 5.0  # ... averaged over this long
+# Each mode's own flags, with their defaults: the other mode refuses them.
+POLICY_FLAGS = {"added": 8, "server_load": 0.8, "dt": 0.1}  # 8: the issue's "8 sites added"
+CONTROL_FLAGS = {"replicas": 2, "gateways": 4, "routes_per_s": 2000.0, "agent_processes": 2, "png": None}
+# The flags both share, whose defaults differ: simulated seconds for the policy, real ones for the control plane.
+DEFAULTS = {True: {"warmup_s": 240.0, "window_s": 120.0}, False: {"warmup_s": 10.0, "window_s": 30.0}}
+
+
+def _site_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of sites or a comma-separated list, got {text!r}"
+        ) from None
+    if not counts or min(counts) < 2:
+        raise argparse.ArgumentTypeError(f"each run needs at least 2 sites, got {text!r}")
+    return counts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy-quality",
         action="store_true",
-        required=True,
         help="simulate the policy (no processes): Offline efficiency, Server TTFT, a region lost, sites added",
     )
-    p.add_argument("--sites", type=runtime.positive_int, default=64)
-    p.add_argument("--added", type=runtime.positive_int, default=ADDED_SITES, help="sites that join in the window")
+    p.add_argument(
+        "--sites", type=_site_counts, default=[64], help="sites; the control plane takes a list: 64,256,1024"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slower-share", type=float, default=0.3, help="share of sites slower than they declare")
-    p.add_argument("--warmup-s", type=runtime.positive_float, default=240.0, help="simulated seconds before measuring")
-    p.add_argument("--window-s", type=runtime.positive_float, default=120.0, help="simulated seconds measured")
-    p.add_argument("--server-load", type=float, default=0.8, help="Server: arrivals as a share of the sites' sum")
-    p.add_argument("--dt", type=runtime.positive_float, default=0.1, help="simulated seconds per tick")
+    p.add_argument(
+        "--warmup-s",
+        type=runtime.positive_float,
+        default=None,
+        help="seconds before measuring (policy: simulated, 240; control plane: 10)",
+    )
+    p.add_argument(
+        "--window-s",
+        type=runtime.positive_float,
+        default=None,
+        help="seconds measured (policy: simulated, 120; control plane: 30)",
+    )
     p.add_argument("--json", type=Path, default=None)
+    policy = p.add_argument_group("--policy-quality only")
+    policy.add_argument("--added", type=runtime.positive_int, default=None, help="sites that join in the window (8)")
+    policy.add_argument(
+        "--server-load", type=float, default=None, help="Server: arrivals as a share of the sites' sum (0.8)"
+    )
+    policy.add_argument("--dt", type=runtime.positive_float, default=None, help="simulated seconds per tick (0.1)")
+    control = p.add_argument_group("the control plane only")
+    control.add_argument("--replicas", type=runtime.positive_int, default=None, help="scheduler replicas (2)")
+    control.add_argument(
+        "--gateways", type=runtime.positive_int, default=None, help="gateways whose routes are sent (4)"
+    )
+    control.add_argument(
+        "--routes-per-s", type=runtime.positive_float, default=None, help="routes asked a second, in all (2000)"
+    )
+    control.add_argument(
+        "--agent-processes", type=runtime.positive_int, default=None, help="processes the sites share (2)"
+    )
+    control.add_argument("--png", type=Path, default=None, help="draw each measure against the number of sites")
 
 
 def main(args: argparse.Namespace) -> int:
-    if not 0.0 <= args.slower_share <= 1.0 or not 0.0 < args.server_load:
-        print("fedctl simulate: --slower-share must be in [0, 1] and --server-load > 0", file=sys.stderr)
+    mine, theirs = (POLICY_FLAGS, CONTROL_FLAGS) if args.policy_quality else (CONTROL_FLAGS, POLICY_FLAGS)
+    mode = "--policy-quality" if args.policy_quality else "the control plane (without --policy-quality)"
+    for name in theirs:
+        if getattr(args, name) is not None:
+            print(f"fedctl simulate: --{name.replace('_', '-')} is not a flag of {mode}", file=sys.stderr)
+            return 2
+    for name, default in {**mine, **DEFAULTS[args.policy_quality]}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if not 0.0 <= args.slower_share <= 1.0:
+        print("fedctl simulate: --slower-share must be in [0, 1]", file=sys.stderr)
         return 2
-    started = time.monotonic()
-    report = simulate(
-        args.sites, args.added, args.seed, args.slower_share, args.warmup_s, args.window_s, args.server_load, args.dt
-    )
-    report["wall_s"] = round(time.monotonic() - started, 1)
-    text = json.dumps(report, indent=2)
-    if args.json:
-        args.json.write_text(text + "\n")
-    print(_table(report), file=sys.stderr)
-    print(text)
-    return 0
+    if args.policy_quality:
+        from federation.simulate import policy_quality
 
+        return policy_quality.main(args)
+    from federation.simulate import control
 
-def simulate(
-    count: int,
-    added: int,
-    seed: int,
-    slower_share: float,
-    warmup_s: float,
-    window_s: float,
-    server_load: float,
-    dt: float,
-) -> dict[str, Any]:
-    world = make_sites(count + added, seed, slower_share)
-    sites, joining = world[:count], world[count:]
-    rtt = rtt_s()
-    end = warmup_s + window_s
-    window = (warmup_s, end)
-    solo = alone(world, rtt, end, seed, dt)
-    truth = {s.name: solo.rate(*window, [s.name]) for s in world}
-    measured = measured_capacities(truth, seed)
-    names = [s.name for s in sites]
-    solo_sum = sum(truth[n] for n in names)
-    in_flight = sum(PROFILES[s.gpu].max_running_requests * s.gpus for s in sites) * 5 // 4  # full, and a queue
-
-    def run(policy: str, load: Load, events: Events | None = None) -> Result:
-        return Simulation(sites, policy, rtt, measured, seed, dt).run(load, end, events)
-
-    offline = {p: run(p, Load(REGIONS, in_flight=in_flight)) for p in (FEDERATION, ROUND_ROBIN, STATIC)}
-    rate_per_s = server_load * solo_sum / DEFAULT_EXPECTED_OUTPUT_TOKENS
-    server = {p: run(p, Load(REGIONS, rate_per_s=rate_per_s)) for p in (FEDERATION, ROUND_ROBIN, STATIC)}
-    report: dict[str, Any] = {
-        "sites": count,
-        "regions": len(REGIONS),
-        "gpus": sum(s.gpus for s in sites),
-        "slower_than_declared": sum(1 for s in sites if s.speed < 1.0),
-        "simulated_s": {"warmup": warmup_s, "window": window_s, "tick": dt},
-        "alone_tok_s": round(solo_sum),
-        "federation_efficiency": _efficiency(offline[FEDERATION], window, solo_sum),
-        "round_robin_efficiency": _efficiency(offline[ROUND_ROBIN], window, solo_sum),
-        "static_efficiency": _efficiency(offline[STATIC], window, solo_sum),
-        "ttft_p99_ms": {p: _ms(r.ttft_s(*window, 99)) for p, r in server.items()},
-        "ttft_p50_ms": {p: _ms(r.ttft_s(*window, 50)) for p, r in server.items()},
-        "server": {
-            "load": server_load,
-            "rate_per_s": round(rate_per_s, 1),
-            "delivered_over_offered": {
-                p: round(r.rate(*window) / (server_load * solo_sum), 4) for p, r in server.items()
-            },
-        },
-        "offline": {p: _counts(r) for p, r in offline.items()},
-    }
-    report["region_lost"] = _region_lost(sites, truth, run, in_flight, warmup_s, window_s)
-    report["sites_added"] = _sites_added(sites, joining, truth, rtt, measured, seed, dt, in_flight, warmup_s, window_s)
-    return report
-
-
-def _region_lost(sites, truth, run, in_flight, warmup_s, window_s) -> dict[str, Any]:
-    """The region with the most capacity dies a third into the window; measured from 30 s after
-    (or half of what is left of the window, if less)."""
-    by_region: dict[str, float] = {}
-    for s in sites:
-        by_region[s.region] = by_region.get(s.region, 0.0) + truth[s.name]
-    region = max(by_region, key=lambda r: by_region[r])
-    dead = tuple(s.name for s in sites if s.region == region)
-    surviving = [s.name for s in sites if s.region != region]
-    at = warmup_s + window_s / 3
-    end = warmup_s + window_s
-    after = (at + min(30.0, (end - at) / 2), end)
-    out: dict[str, Any] = {"region": region, "sites_lost": len(dead), "at_s": at}
-    for policy in (FEDERATION, ROUND_ROBIN):
-        r = run(policy, Load(REGIONS, in_flight=in_flight), Events(fail_at={at: dead}))
-        out[policy] = {
-            "after_over_surviving": round(r.rate(*after) / sum(truth[n] for n in surviving), 4),
-            **_counts(r),
-        }
-    return out
-
-
-def _sites_added(sites, joining, truth, rtt, measured, seed, dt, in_flight, warmup_s, window_s) -> dict[str, Any]:
-    """Sites join a quarter into the window; how long until they carry their share."""
-    at = warmup_s + window_s / 4
-    end = warmup_s + window_s
-    sim = Simulation(sites, FEDERATION, rtt, measured, seed, dt)
-    r = sim.run(Load(REGIONS, in_flight=in_flight), end, Events(join_at={at: tuple(joining)}))
-    new = [s.name for s in joining]
-    new_truth = sum(truth[n] for n in new)
-    converge_s = None
-    t = at
-    while t + SMOOTH_S <= end:
-        if r.rate(t, t + SMOOTH_S, new) >= CONVERGED * new_truth:
-            converge_s = round(t + SMOOTH_S - at, 1)
-            break
-        t += dt
-    settled = (at + (converge_s or 0.0) + SMOOTH_S, end)
-    every = sum(truth[s.name] for s in (*sites, *joining))
-    ratio = r.rate(*settled) / every if settled[1] > settled[0] else math.nan
-    return {
-        "added": len(new),
-        "at_s": at,
-        "converge_s": converge_s,
-        "throughput_ratio": round(ratio, 4),
-        **_counts(r),
-    }
-
-
-def _efficiency(result: Result, window: tuple[float, float], solo_sum: float) -> float:
-    return round(result.rate(*window) / solo_sum, 4)
-
-
-def _counts(r: Result) -> dict[str, int]:
-    return {"sent": r.sent, "finished": r.finished, "resumed": r.resumed, "still_served": r.unfinished}
-
-
-def _ms(seconds: float) -> float | None:
-    return round(seconds * 1000.0, 1) if math.isfinite(seconds) else None
-
-
-def _table(report: dict[str, Any]) -> str:
-    lines = [f"{report['sites']} sites, {report['gpus']} GPUs, {report['slower_than_declared']} slower than declared"]
-    lines.append(f"{'policy':22} {'Offline efficiency':>18} {'Server TTFT p99 ms':>19}")
-    for policy, key in ((FEDERATION, "federation"), (ROUND_ROBIN, "round_robin"), (STATIC, "static")):
-        lines.append(f"{policy:22} {report[f'{key}_efficiency']:>18} {report['ttft_p99_ms'][policy]!s:>19}")
-    lost = report["region_lost"]
-    lines.append(
-        f"region {lost['region']} lost: after/surviving {lost[FEDERATION]['after_over_surviving']}"
-        f" (round robin {lost[ROUND_ROBIN]['after_over_surviving']})"
-    )
-    added = report["sites_added"]
-    lines.append(f"{added['added']} sites added: converge {added['converge_s']} s, ratio {added['throughput_ratio']}")
-    return "\n".join(lines)
+    return control.run(args)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from core.gpus import PROFILES
+from core.wire import WorkDone
 from federation.simulate.world import SimSite
 
 
@@ -56,6 +57,9 @@ class SiteModel:
         self._free = list(range(self.slots - 1, -1, -1))
         self.ledger_tokens = 0  # Σ expected output over the requests it holds (the scheduler's unit)
         self.delivered = 0.0  # output tokens produced since it started
+        # Its workers' own accounting, as SGLang's /metrics would say it (WorkDone's fields, summed
+        # over its GPUs): busy seconds, passes, sequences decoded, KV thousands attended, prefill.
+        self._work = np.zeros(5)
         self.first_tokens: list[tuple[float, float]] = []  # (sent at, TTFT) of first tokens, since taken
 
     # ---- what the scheduler sees ------------------------------------------------------
@@ -65,9 +69,25 @@ class SiteModel:
         """Requests it holds: on the wire, waiting, prefilling or decoding."""
         return len(self.arriving) + len(self.waiting) + len(self.prefilling) + (self.slots - len(self._free))
 
+    @property
+    def running(self) -> int:
+        """Requests in its batch: decoding, or prefilled into a slot."""
+        return self.slots - len(self._free)
+
+    @property
+    def context_tokens(self) -> int:
+        """KV tokens its batch holds: prompts and what they said so far."""
+        active = self._active
+        return int(self._prompt[active].sum() + self._said[active].sum())
+
     def outstanding_tokens(self) -> int:
         """The ledger less what its batch has said: its agent's report of the work it holds."""
         return max(self.held, self.ledger_tokens - int(self._said[self._active].sum()))
+
+    def work_done(self) -> WorkDone:
+        """What its workers did since it started, cumulative, as an agent reports it."""
+        busy_s, passes, seqs, ktokens, prefill = self._work
+        return WorkDone(float(busy_s), int(passes), float(seqs), float(ktokens), int(prefill))
 
     # ---- requests in and out ----------------------------------------------------------
 
@@ -112,6 +132,7 @@ class SiteModel:
         chunk = min(self._backlog / gpus, p.chunked_prefill_tokens)
         step_ms = p.step_ms(batch / gpus, context / gpus, chunk) / self.spec.speed
         steps = dt * 1000.0 / step_ms
+        self._work += (dt * gpus, steps * gpus, steps * batch, steps * context / 1000.0, steps * gpus * chunk)
         finished = self._decode(steps, batch)
         self._prefill(now, dt, gpus * steps * chunk)
         return finished
