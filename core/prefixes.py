@@ -23,10 +23,11 @@ from collections.abc import Iterable, Sequence
 BLOCK_TOKENS = 64  # a prefix is known to a block's precision: a 2,048-token system prompt is 32 hashes
 MAX_BLOCKS = 2048  # 131,072 tokens, the model's context: a request carries at most this many
 HASH_BYTES = 8
-# A directory's bound: (place, hash) pairs. ~150 bytes each in CPython, ~40 MB at most: a site
-# per GPU holds millions of tokens of KV, but what a directory must hold is what is hot, and an
-# entry least recently sent is the first a worker evicts too.
-MAX_ENTRIES = 262_144
+# A directory's bound: (place, hash) pairs. ~520 bytes each in CPython with the pair and its
+# two indexes (each hash's places, each place's hashes), ~70 MB at most: a site per GPU holds
+# millions of tokens of KV, but what a directory must hold is what is hot (8 M tokens of distinct
+# prefixes), and an entry least recently sent is the first a worker evicts too.
+MAX_ENTRIES = 131_072
 
 
 def prefix_hashes(token_ids: Sequence[int], key: bytes = b"") -> tuple[int, ...]:
@@ -52,6 +53,12 @@ class PrefixDirectory:
     def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple[str, int], None] = OrderedDict()
+        # Each hash's places: who holds a prompt's first block is found without asking every
+        # place (a scheduler with a thousand sites asks once per route).
+        self._places: dict[int, set[str]] = {}
+        # And each place's hashes: a site that goes down is forgotten without a walk over every
+        # entry (a thousand sites' directory is full, and sites go down by the hundred).
+        self._hashes: dict[str, set[int]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -65,23 +72,50 @@ class PrefixDirectory:
                 entries.move_to_end(key)
             else:
                 entries[key] = None
+                self._places.setdefault(h, set()).add(place)
+                self._hashes.setdefault(place, set()).add(h)
         while len(entries) > self.max_entries:
-            entries.popitem(last=False)
+            self._drop(entries.popitem(last=False)[0])
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        place, h = key
+        places = self._places[h]
+        places.discard(place)
+        if not places:
+            del self._places[h]
+        hashes = self._hashes[place]
+        hashes.discard(h)
+        if not hashes:
+            del self._hashes[place]
 
     def cached_tokens(self, places: Iterable[str], hashes: Sequence[int]) -> dict[str, int]:
         """For each place, how many of the request's leading tokens it likely holds: its longest
         run of the request's blocks from the first."""
-        out = {}
-        for place in places:
-            held = 0
-            for h in hashes:
-                if (place, h) not in self._entries:
-                    break
-                held += 1
-            out[place] = held * BLOCK_TOKENS
-        return out
+        held = self.holders(hashes)
+        return {place: held.get(place, 0) for place in places}
+
+    def holders(self, hashes: Sequence[int]) -> dict[str, int]:
+        """The places that hold at least the request's first block, each with how many of its
+        leading tokens: its longest run of the request's blocks from the first."""
+        first = self._places.get(hashes[0]) if hashes else None
+        if not first:
+            return {}
+        blocks = dict.fromkeys(first, 1)
+        alive = list(first)
+        for h in hashes[1:]:
+            places = self._places.get(h)
+            alive = [p for p in alive if p in places] if places else []
+            if not alive:
+                break
+            for place in alive:
+                blocks[place] += 1
+        return {place: n * BLOCK_TOKENS for place, n in blocks.items()}
 
     def forget(self, place: str) -> None:
         """The place lost what it held (a site down or removed, a worker restarted)."""
-        for key in [k for k in self._entries if k[0] == place]:
-            del self._entries[key]
+        for h in self._hashes.pop(place, ()):
+            del self._entries[(place, h)]
+            places = self._places[h]
+            places.discard(place)
+            if not places:
+                del self._places[h]

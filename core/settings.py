@@ -20,12 +20,18 @@ from pydantic.dataclasses import dataclass
 
 Seconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]  # no "5" for 5, no true for 1
 Count = Annotated[int, Strict(), Field(ge=1)]
+Rate = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]  # a number per second
 _STRICT = ConfigDict(extra="forbid")
 
 
 @dataclass(frozen=True, slots=True, config=_STRICT)
 class SchedulerTimings:
-    report_interval_s: Seconds = 0.25  # agents report this often (told them when they register)
+    report_interval_s: Seconds = 0.25  # agents report this often (told them when they register) ...
+    # ... unless the replica's sites would then send more than this many reports a second in all:
+    # then each site that registers is told a longer interval (its heartbeat timeout grows with
+    # it). A report costs a replica ~0.17 ms of CPU, so at a thousand sites reports every 0.25 s
+    # would take most of a core (docs/BENCHMARKS.md, "The control plane at scale").
+    reports_per_s: Rate = 2500.0
     heartbeat_timeout_s: Seconds = 1.0  # a site silent this long is down (DESIGN: down within 1 s)
     expiry_check_s: Seconds = 0.1  # sites' silence is checked this often
     stall_tolerance_s: Seconds = 0.25  # a check later than this says the scheduler, not the site, was silent

@@ -46,6 +46,7 @@ class Command(enum.Enum):
     DRAIN = pb.COMMAND_DRAIN
     UNDRAIN = pb.COMMAND_UNDRAIN
     REMOVE = pb.COMMAND_REMOVE
+    REPORT_EVERY = pb.COMMAND_REPORT_EVERY
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +144,7 @@ class SiteReport:
 class SchedulerCommand:
     command: Command
     reason: str = ""
+    report_interval_s: float = 0.0  # REPORT_EVERY: report this often from now on
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,8 +338,22 @@ def report_to_pb(r: SiteReport) -> pb.SiteReport:
     return pb.SiteReport(**{**_plain(r), "work": pb.WorkDone(**_plain(r.work))})
 
 
+def report_refreshed_pb(
+    read: pb.SiteReport, queued: int, outstanding_requests: int, outstanding_tokens: int, received_ids: Sequence[str]
+) -> pb.SiteReport:
+    """`read` (a report built when the workers were last read) with the load held now and the
+    requests taken since the last report: for a reporter that reports more often than it reads."""
+    report = pb.SiteReport()
+    report.CopyFrom(read)
+    report.queued_requests = queued
+    report.outstanding_requests = outstanding_requests
+    report.outstanding_tokens = outstanding_tokens
+    report.received_ids.extend(received_ids)
+    return report
+
+
 def command_to_pb(c: SchedulerCommand) -> pb.SchedulerCommand:
-    return pb.SchedulerCommand(command=c.command.value, reason=c.reason)
+    return pb.SchedulerCommand(command=c.command.value, reason=c.reason, report_interval_s=c.report_interval_s)
 
 
 def route_request_to_pb(r: RouteRequest) -> pb.RouteRequest:
@@ -465,7 +481,7 @@ def report_from_pb(m: pb.SiteReport) -> SiteReport:
 
 
 def command_from_pb(m: pb.SchedulerCommand) -> SchedulerCommand:
-    return SchedulerCommand(Command(m.command), m.reason)
+    return SchedulerCommand(Command(m.command), m.reason, m.report_interval_s)
 
 
 def route_request_from_pb(m: pb.RouteRequest) -> RouteRequest:

@@ -21,6 +21,7 @@ class Command(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMMAND_DRAIN: _ClassVar[Command]
     COMMAND_UNDRAIN: _ClassVar[Command]
     COMMAND_REMOVE: _ClassVar[Command]
+    COMMAND_REPORT_EVERY: _ClassVar[Command]
 
 class StreamError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ COMMAND_UNSPECIFIED: Command
 COMMAND_DRAIN: Command
 COMMAND_UNDRAIN: Command
 COMMAND_REMOVE: Command
+COMMAND_REPORT_EVERY: Command
 STREAM_ERROR_NONE: StreamError
 STREAM_ERROR_REJECTED: StreamError
 STREAM_ERROR_WORKER_FAILED: StreamError
@@ -145,12 +147,14 @@ class WorkDone(_message.Message):
     def __init__(self, busy_s: _Optional[float] = ..., passes: _Optional[int] = ..., decode_seqs: _Optional[float] = ..., context_ktokens: _Optional[float] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SchedulerCommand(_message.Message):
-    __slots__ = ("command", "reason")
+    __slots__ = ("command", "reason", "report_interval_s")
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    REPORT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     command: Command
     reason: str
-    def __init__(self, command: _Optional[_Union[Command, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    report_interval_s: float
+    def __init__(self, command: _Optional[_Union[Command, str]] = ..., reason: _Optional[str] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
     __slots__ = ("request_id", "client_region", "prompt_tokens", "max_tokens", "exclude_sites", "dry_run", "prefix_hashes")

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 
 from core.policy import SiteLoad
+from core.policy_columns import SiteColumns
 from core.prefixes import PrefixDirectory
 from core.recipes import DEFAULT_RECIPES
 from core.settings import SchedulerTimings
@@ -30,6 +31,7 @@ log = structlog.get_logger("scheduler.registry")
 # taken by request id, so a slow route stays counted however slow it is. A route still
 # unacknowledged after this long never reached the site (its gateway died on the way): it stops
 # counting, so such phantoms cannot pile up (SchedulerTimings.in_transit_limit_s).
+PACE_STEP = 1.1  # sites are told a slower pace only when it is this much slower than theirs
 REFUSALS_KEPT = 50  # enough for an operator to see every site that failed to join today
 
 
@@ -58,6 +60,11 @@ class Site:
     # Routes the agent has not acknowledged yet, by request id: (when, expected tokens), oldest
     # first. Added to what it reports, so a report older than a route cannot erase it.
     in_transit: dict[str, tuple[float, int]] = field(default_factory=dict)
+    # What routing weighs it by, kept from one report or route to the next (None: not routable):
+    # computing a capacity per site per route cost milliseconds a route with a thousand sites.
+    load: SiteLoad | None = None
+    report_interval_s: float = 0.25  # as it was told when it registered
+    heartbeat_timeout_s: float = 1.0  # silent this long, it is down: as many intervals as the timings say
 
     @property
     def status(self) -> SiteStatus:
@@ -95,11 +102,15 @@ class Registry:
         known = [r.model_path for r in DEFAULT_RECIPES.values()] if checkpoints is None else checkpoints
         self.checkpoints = frozenset({model, *known})
         self.heartbeat_timeout_s = timings.heartbeat_timeout_s
+        self.report_interval_s = timings.report_interval_s
+        self.reports_per_s = timings.reports_per_s
         self.in_transit_limit_s = timings.in_transit_limit_s
         self.sites: dict[str, Site] = {}
         self.refused: dict[str, RefusedSite] = {}  # by site name, until that site joins
         self.workload = WorkloadMix()  # what each site's capacity is scaled to
         self.prefixes = PrefixDirectory()  # which site was sent which prompt prefixes (core/prefixes.py)
+        self.columns = SiteColumns()  # the routable sites' loads as columns (least_expected_delay_columns)
+        self._in_transit_at: dict[str, str] = {}  # request id -> the site it is in transit to
 
     def refuse(self, name: str, reason: str) -> RegistrationRefused:
         """Remember why `name` was refused (for `fedctl status`); the error to raise. Only the
@@ -144,11 +155,36 @@ class Registry:
         serving = any(s.outstanding_requests for name, s in self.sites.items() if name != reg.name)
         site = Site(reg, estimator, SlowStart.begin(reg.probe_batch, reg.gpus) if serving else SlowStart(0))
         site.draining = reg.draining  # a replica that restarted hears it from the site
+        self._pace_site(site, self._interval_for(len(self.sites) + (reg.name not in self.sites)))
         if old is not None:  # an agent that restarted keeps its counters and admin state
             site.routed_requests, site.draining = old.routed_requests, old.draining
+        if old is not None:
+            for request_id in old.in_transit:
+                self._in_transit_at.pop(request_id, None)
         self.sites[reg.name] = site
         self.prefixes.forget(reg.name)  # an agent (re)starting: what its workers held is not known
+        self._refresh(site)
         return site
+
+    def _interval_for(self, sites: int) -> float:
+        """The timings' report interval, or longer when `sites` would send more reports than the budget."""
+        return max(self.report_interval_s, sites / self.reports_per_s)
+
+    def _pace_site(self, site: Site, interval_s: float) -> None:
+        """`site` reports every `interval_s`, and is down after as many silent intervals as at the timings'."""
+        site.report_interval_s = interval_s
+        site.heartbeat_timeout_s = self.heartbeat_timeout_s * interval_s / self.report_interval_s
+
+    def pace(self) -> list[Site]:
+        """The sites that must now report less often to keep every site's reports within the
+        budget, paced so (told so by the caller). Only ever slower while a site stays registered,
+        and only by a tenth or more at a time: a federation that grows by a site a second is not
+        told a new pace every second."""
+        wanted = self._interval_for(len(self.sites))
+        slower = [s for s in self.sites.values() if wanted > PACE_STEP * s.report_interval_s]
+        for site in slower:
+            self._pace_site(site, wanted)
+        return slower
 
     def get(self, name: str) -> Site:
         try:
@@ -167,12 +203,16 @@ class Registry:
         site.last_report_at = now
         site.slow_start.observe(report.running_requests, report.delivered_tok_s, site.capacity_tok_s, report.slots)
         for request_id in report.received_ids:
-            site.in_transit.pop(request_id, None)
+            if site.in_transit.pop(request_id, None) is not None:
+                self._in_transit_at.pop(request_id, None)
         while site.in_transit and next(iter(site.in_transit.values()))[0] < now - self.in_transit_limit_s:
-            del site.in_transit[next(iter(site.in_transit))]
+            request_id = next(iter(site.in_transit))
+            del site.in_transit[request_id]
+            self._in_transit_at.pop(request_id, None)
         site.outstanding_requests = report.outstanding_requests + len(site.in_transit)
         site.outstanding_tokens = report.outstanding_tokens + sum(tokens for _, tokens in site.in_transit.values())
         site.status = self._live_status(site)
+        self._refresh(site)
 
     def disconnected(self, name: str) -> None:
         """The report stream broke: route around the site at once."""
@@ -180,15 +220,17 @@ class Registry:
         if site is not None:
             site.status = SiteStatus.DOWN
             self.prefixes.forget(name)
+            self._refresh(site)
 
     def expire(self, now: float) -> list[str]:
         """Sites silent for longer than the heartbeat timeout go down; returns their names."""
         gone = []
         for site in self.sites.values():
-            silent = now - site.last_report_at > self.heartbeat_timeout_s
+            silent = now - site.last_report_at > site.heartbeat_timeout_s
             if site.status is not SiteStatus.DOWN and site.last_report_at and silent:
                 site.status = SiteStatus.DOWN
                 self.prefixes.forget(site.registration.name)
+                self._refresh(site)
                 gone.append(site.registration.name)
         return gone
 
@@ -197,6 +239,7 @@ class Registry:
         site.draining = draining
         if site.status is not SiteStatus.DOWN:
             site.status = self._live_status(site)
+        self._refresh(site)
         return site
 
     def remove(self, name: str) -> Site:
@@ -205,40 +248,60 @@ class Registry:
         self.workload.forget(name)
         self.prefixes.forget(name)
         site.status = SiteStatus.DOWN
+        self._refresh(site)
+        for request_id in site.in_transit:
+            self._in_transit_at.pop(request_id, None)
         return site
 
     def routable(self) -> list[SiteLoad]:
-        return [
-            SiteLoad(
-                s.registration.name,
-                s.registration.region,
-                s.registration.agent_address,
-                s.capacity_tok_s,
-                s.outstanding_tokens,
-                s.outstanding_requests,
-                s.prior_capacity_tok_s,
-                s.report.slots if s.report else 0,
-                s.estimator.prefill_s_per_token(),
-                s.slow_start.window,
+        return [s.load for s in self.sites.values() if s.load is not None]
+
+    def _refresh(self, site: Site) -> None:
+        """Weigh `site` anew (its report, its status or its load changed)."""
+        if site.status is not SiteStatus.READY:
+            site.load = None
+        else:
+            site.load = SiteLoad(
+                site.registration.name,
+                site.registration.region,
+                site.registration.agent_address,
+                site.capacity_tok_s,
+                site.outstanding_tokens,
+                site.outstanding_requests,
+                site.prior_capacity_tok_s,
+                site.report.slots if site.report else 0,
+                site.estimator.prefill_s_per_token(),
+                site.slow_start.window,
             )
-            for s in self.sites.values()
-            if s.status is SiteStatus.READY
-        ]
+        self.columns.put(site.registration.name, site.load)
+
+    def _charge(self, site: Site) -> None:
+        """Its outstanding work changed by a route: only those figures are weighed anew."""
+        if site.load is not None:
+            site.load = replace(
+                site.load, outstanding_tokens=site.outstanding_tokens, outstanding_requests=site.outstanding_requests
+            )
+            self.columns.put(site.registration.name, site.load)
 
     def record_route(self, name: str, req: RouteRequest, now: float) -> None:
         """Count a decision until the site's next report says what it really holds."""
         site = self.get(name)
-        for other in self.sites.values():  # a request routed again: its earlier route was never taken
+        earlier = self._in_transit_at.get(req.request_id)
+        other = self.sites.get(earlier) if earlier is not None else None
+        if other is not None:  # a request routed again: its earlier route was never taken
             superseded = other.in_transit.pop(req.request_id, None)
             if superseded is not None:
                 other.outstanding_requests -= 1
                 other.outstanding_tokens -= superseded[1]
+                self._charge(other)
         tokens = expected_output_tokens(req.max_tokens)
         self.prefixes.record(name, req.prefix_hashes)
         site.routed_requests += 1
         site.in_transit[req.request_id] = (now, tokens)
+        self._in_transit_at[req.request_id] = name
         site.outstanding_requests += 1
         site.outstanding_tokens += tokens
+        self._charge(site)
 
     def states(self) -> tuple[SiteState, ...]:
         return tuple(self.state_of(s) for s in self.sites.values())

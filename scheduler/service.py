@@ -6,6 +6,7 @@ Decides, never carries tokens. Errors map to gRPC status codes here and only her
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 
@@ -15,7 +16,8 @@ import structlog
 from core import runtime, supervise, wire
 from core.authz import UNGUARDED, Guard
 from core.credential import presented
-from core.policy import POLICIES, RouteContext
+from core.policy import POLICIES, RouteContext, least_expected_delay
+from core.policy_columns import least_expected_delay_columns
 from core.settings import SchedulerTimings
 from scheduler import spans
 from scheduler.metrics import SchedulerMetrics
@@ -26,6 +28,7 @@ log = structlog.get_logger("scheduler")
 # Checks skipped in a row for lag, at most: a scheduler lagging all the time (a flood of calls)
 # must still mark dead sites down, if later than it would idle.
 NO_SITE = "no site is ready to serve"
+MIN_PUSH_S = 0.05  # a watcher asking for its state more often than this gets it this often
 
 
 class _StreamRefused(Exception):
@@ -56,6 +59,7 @@ class SchedulerService(wire.SchedulerServicer):
         self.policy = POLICIES[policy]
         self._decisions = 0
         self._commands: dict[str, asyncio.Queue[wire.SchedulerCommand]] = {}
+        self._pushed: tuple[float, object] = (-1.0, None)  # the tick a state was last pushed at, and it
 
     def start_expiry(self) -> asyncio.Task[None]:
         """The sweep that marks silent sites down, restarted if it ever raises (core.supervise):
@@ -95,6 +99,12 @@ class SchedulerService(wire.SchedulerServicer):
             self.metrics.refused_registrations.inc()
             log.warning("site.refused", site=reg.name, reason=str(exc))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        for paced in self.registry.pace():
+            queue = self._commands.get(paced.registration.name)
+            if queue is not None:
+                queue.put_nowait(
+                    wire.SchedulerCommand(wire.Command.REPORT_EVERY, "report budget", paced.report_interval_s)
+                )
         log.info(
             "site.registered",
             site=reg.name,
@@ -104,9 +114,7 @@ class SchedulerService(wire.SchedulerServicer):
             agent=reg.agent_address,
             prior_capacity_tok_s=site.prior_capacity_tok_s,
         )
-        return wire.registered_to_pb(
-            wire.Registered(reg.name, site.prior_capacity_tok_s, self.timings.report_interval_s)
-        )
+        return wire.registered_to_pb(wire.Registered(reg.name, site.prior_capacity_tok_s, site.report_interval_s))
 
     async def Report(self, request_iterator, context):
         """Reports in, commands out. The stream's end marks the site down at once."""
@@ -187,9 +195,12 @@ class SchedulerService(wire.SchedulerServicer):
     def _decide(self, req: wire.RouteRequest) -> wire.RouteDecision | None:
         """The site for `req` (None: no site is ready), counted unless it is a dry run."""
         started = time.perf_counter()
-        sites = self.registry.routable()
-        cached = self.registry.prefixes.cached_tokens([s.site for s in sites], req.prefix_hashes)
-        decision = self.policy(sites, req, RouteContext(self.rtt_s, self._decisions, cached))
+        cached = self.registry.prefixes.holders(req.prefix_hashes)
+        context = RouteContext(self.rtt_s, self._decisions, cached)
+        if self.policy is least_expected_delay:  # the same decision, by columns (core/policy_columns.py)
+            decision = least_expected_delay_columns(self.registry.columns, req, context)
+        else:
+            decision = self.policy(self.registry.routable(), req, context)
         if decision is None:
             self.metrics.routes.labels("", "no_site").inc()
             return None
@@ -210,11 +221,20 @@ class SchedulerService(wire.SchedulerServicer):
         return wire.federation_state_to_pb(self._state())
 
     async def WatchState(self, request, context) -> AsyncIterator:
+        """The state at once, then at every tick of the interval asked for. Ticks are the same
+        instants for every watcher of an interval, and the state pushed at a tick is built once
+        for all of them: with a thousand sites a state takes milliseconds to build, which each
+        of many gateways would otherwise cost every tenth of a second."""
         await self.guard.admit(context, "WatchState")
-        interval = max(wire.state_request_from_pb(request), 0.05)
+        interval = max(wire.state_request_from_pb(request), MIN_PUSH_S)
+        loop = asyncio.get_running_loop()
+        yield wire.federation_state_to_pb(self._state())
         while True:
-            yield wire.federation_state_to_pb(self._state())
-            await asyncio.sleep(interval)
+            tick = (math.floor(loop.time() / interval) + 1) * interval
+            await asyncio.sleep(tick - loop.time())
+            if self._pushed[0] != tick:
+                self._pushed = (tick, wire.federation_state_to_pb(self._state()))
+            yield self._pushed[1]
 
     async def _admin(self, request, context, command: wire.Command):
         await self.guard.admit(context, f"{command.name.title()}Site")

@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -42,45 +43,64 @@ log = structlog.get_logger("simulate.agents")
 
 SITE_METADATA = "federation-simulated-site"  # names the site a Generate call is for
 MODEL = "openai/gpt-oss-120b"
+READ_S = 1.0  # a site's model is advanced this often: an agent reads its workers' /metrics once a second
 GROUPS = 10  # sites report in this many groups, a report period apart in all: agents are not in step
 REGISTER_AT_ONCE = 64  # registrations (TLS handshakes) in flight at once
 
 
 @dataclass
 class SimAgent:
-    """One simulated site: its model, and what it owes each replica's report stream."""
+    """One simulated site: its model, as last read, and what it owes each replica's report stream."""
 
     spec: SimSite
     model: SiteModel
     address: str
-    streams: dict[int, asyncio.Queue[wire.SiteReport | None]] = field(default_factory=dict)
+    streams: dict[int, asyncio.Queue[Any]] = field(default_factory=dict)  # each replica's reports, as protobuf
     received: dict[int, list[str]] = field(default_factory=dict)  # request ids since the last report, per replica
     channels: list[grpc.aio.Channel] = field(default_factory=list)
     waiting: dict[int, tuple[int, asyncio.Queue]] = field(default_factory=dict)  # rid -> (stream, its call's answers)
     prompt_total: int = 0
     output_total: int = 0
     silent: bool = False
+    read_at: float = 0.0  # when its model was last advanced (its workers' metrics read)
+    interval_s: float = 0.25  # it reports this often, as the replicas told it (the longest they said)
+    reported_at: float = 0.0
+    said: int = 0  # its batch's output so far, as last read
+    read: Any = None  # what that read says, less the load (protobuf: copied for each report)
 
-    def report(self, replica: int) -> wire.SiteReport:
+    def advance(self, now: float) -> list[Request]:
+        """Move its model on to `now`, as an agent reads its workers' /metrics: the requests that finished."""
         m = self.model
-        ids, self.received[replica] = tuple(self.received.get(replica, ())), []
-        return wire.SiteReport(
-            site=self.spec.name,
-            healthy_workers=self.spec.gpus,
-            total_workers=self.spec.gpus,
-            running_requests=m.running,
-            context_tokens=m.context_tokens,
-            kv_usage=m.context_tokens / (self.spec.gpus * m.profile.kv_capacity_tokens),
-            queued_requests=len(m.waiting) + len(m.prefilling),
-            outstanding_requests=m.held,
-            outstanding_tokens=m.outstanding_tokens(),
-            slots=m.slots,
-            received_ids=ids,
-            prompt_tokens_total=self.prompt_total,
-            generation_tokens_total=self.output_total,
-            work=m.work_done(),
-            accounting_workers=self.spec.gpus,
+        finished = m.tick(self.read_at, now - self.read_at) if self.read_at else []
+        self.read_at = now
+        for request in finished:
+            self.prompt_total += request.prompt
+            self.output_total += request.target
+        self.said = m.said_in_batch()
+        context = m.context_tokens
+        self.read = wire.report_to_pb(
+            wire.SiteReport(
+                site=self.spec.name,
+                healthy_workers=self.spec.gpus,
+                total_workers=self.spec.gpus,
+                running_requests=m.running,
+                context_tokens=context,
+                kv_usage=context / (self.spec.gpus * m.profile.kv_capacity_tokens),
+                slots=m.slots,
+                prompt_tokens_total=self.prompt_total,
+                generation_tokens_total=self.output_total,
+                work=m.work_done(),
+                accounting_workers=self.spec.gpus,
+            )
         )
+        return finished
+
+    def report(self, replica: int) -> Any:
+        """Its report to `replica`: the last read, the requests it holds now, those it took since."""
+        m = self.model
+        ids, self.received[replica] = self.received.get(replica, []), []
+        queued = len(m.waiting) + len(m.prefilling)
+        return wire.report_refreshed_pb(self.read, queued, m.held, m.outstanding_tokens(self.said), ids)
 
 
 class Agents:
@@ -88,7 +108,7 @@ class Agents:
         self.schedulers = schedulers
         self.tls_dir = tls_dir
         self.agents = {s.name: SimAgent(s, SiteModel(s, lambda a, b: 0.0), address) for s in sites}
-        self.interval_s = 0.25  # until a replica says otherwise
+        self.period_s = 0.25  # every site's report is due at a multiple of this (the replicas' shortest interval)
         self.reports_sent = 0
         self.taken = 0
         self.events: dict[str, dict[str, object]] = {}
@@ -120,43 +140,55 @@ class Agents:
             agent.channels.append(channel)
             stub = wire.SchedulerStub(channel)
             registered = wire.registered_from_pb(await stub.RegisterSite(wire.registration_to_pb(reg), timeout=30))
-            self.interval_s = registered.report_interval_s
-            queue: asyncio.Queue[wire.SiteReport | None] = asyncio.Queue()
+            agent.interval_s = max(agent.interval_s, registered.report_interval_s)
+            queue: asyncio.Queue[Any] = asyncio.Queue()
             agent.streams[replica] = queue
+            if not agent.read_at:
+                agent.advance(time.monotonic())
             queue.put_nowait(agent.report(replica))
             call = stub.Report(self._reports(queue))
             self.supervisor.essential(f"commands {name}", self._commands(call, agent, replica))
 
-    async def _reports(self, queue: asyncio.Queue[wire.SiteReport | None]) -> AsyncIterator:
+    async def _reports(self, queue: asyncio.Queue[Any]) -> AsyncIterator:
         while (report := await queue.get()) is not None:
             self.reports_sent += 1
-            yield wire.report_to_pb(report)
+            yield report
 
     @staticmethod
     async def _commands(call, agent: SimAgent, replica: int) -> None:
-        """The replica's commands (none is sent here) until the stream ends: the site then stops
-        reporting to that replica (a simulated site does not register again)."""
+        """The replica's commands (a slower pace is followed; no drain or removal is sent here)
+        until the stream ends: the site then stops reporting to that replica (a simulated site
+        does not register again)."""
         try:
-            async for _ in call:
-                pass
+            async for message in call:
+                command = wire.command_from_pb(message)
+                if command.command is wire.Command.REPORT_EVERY:
+                    agent.interval_s = max(agent.interval_s, command.report_interval_s)
         except grpc.aio.AioRpcError:
             pass
         agent.streams.pop(replica, None)
         agent.received.pop(replica, None)
 
     async def report_forever(self) -> None:
-        """Advance each site's model and report it, group by group across the period."""
+        """Report each site every period, group by group across it; its model is read every
+        READ_S, as an agent reads its workers' metrics."""
         agents = list(self.agents.values())
         groups = [agents[i::GROUPS] for i in range(GROUPS)]
         while True:
             for group in groups:
-                await asyncio.sleep(self.interval_s / GROUPS)
+                await asyncio.sleep(self.period_s / GROUPS)
                 now = time.monotonic()
                 for agent in group:
-                    if agent.silent or not agent.model.alive:
+                    if (
+                        agent.silent
+                        or not agent.model.alive
+                        or now - agent.reported_at < agent.interval_s - self.period_s / 2
+                    ):
                         continue
-                    for request in agent.model.tick(now, self.interval_s):
-                        self._finished(agent, request)
+                    agent.reported_at = now
+                    if now - agent.read_at >= READ_S:
+                        for request in agent.advance(now):
+                            self._finished(agent, request)
                     for replica, queue in agent.streams.items():
                         queue.put_nowait(agent.report(replica))
 
@@ -178,8 +210,6 @@ class Agents:
     # ---- the gateways' side -----------------------------------------------------------
 
     def _finished(self, agent: SimAgent, request: Request) -> None:
-        agent.prompt_total += request.prompt
-        agent.output_total += request.target
         stream, answers = agent.waiting.pop(request.rid)
         answers.put_nowait(wire.TokenDelta(stream, "", (), request.target, request.prompt, {"type": "length"}))
 
@@ -255,8 +285,9 @@ async def serve(args: argparse.Namespace) -> int:
     wire.add_site_agent_to_server(_Servicer(agents), server)
     server.add_insecure_port(address)
     await server.start()
-    await agents.register_all()
+    # Sites report from the moment each has registered, as agents that start on their own do.
     agents.supervisor.essential("reports", agents.report_forever())
+    await agents.register_all()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, agents.crash)
     loop.add_signal_handler(signal.SIGUSR2, agents.silence)

@@ -9,10 +9,11 @@ Per N, in order:
    reports to every replica at the cadence it is told, from its GPU model running what it is sent;
 4. one process (federation/simulate/gateways.py) runs `--gateways` copies of the gateway's own
    scheduler client, routing `--routes-per-s` in all and watching the state as gateways do;
-5. after `--warmup-s`, `--window-s` is measured on the replica the gateways route to: its CPU,
-   RSS, the reports it applied, the routes it answered and how long each took at the gateway,
-   and how old each pushed state was when a gateway got it;
-6. a site is killed (its connections close) and, 4 s later, another falls silent: how long
+5. after `--warmup-s`, REPORTS_ONLY_S is measured on the replica the gateways will route to under
+   the sites' reports alone (its CPU, the reports it applied); then routes start, and after a
+   warm-up `--window-s` is measured: its CPU, RSS, reports, the routes it answered and how long
+   each took at the gateway, and how old each pushed state was when a gateway got it;
+6. a site is killed (its connections close) and, 2 s later, another falls silent: how long
    until every gateway sees each down;
 7. the replica the gateways route to is killed: how long routes wait, and whether any is lost.
 
@@ -48,9 +49,12 @@ from federation.simulate.gateways import DEGRADED, LOST, ROUTED
 from federation.simulate.world import REGIONS, make_sites, rtt_s
 from federation.throwaway_ca import ThrowawayCa
 
-SILENCE_AFTER_S = 4.0  # the silenced site goes quiet this long after the killed one ...
-DETECT_WAIT_S = 5.0  # ... and each is given this long to be seen down
-FAILOVER_WAIT_S = 8.0  # after a replica is killed, routes are watched this long
+REPORTS_ONLY_S = 10.0  # the replica's cost of the sites' reports alone is measured this long ...
+ROUTES_WARMUP_S = 3.0  # ... then routes start, and are measured after this long
+SILENCE_AFTER_S = 2.0  # the silenced site goes quiet this long after the killed one ...
+DETECT_WAIT_S = 3.0  # ... and each is given this long to be seen down
+FAILOVER_WAIT_S = 5.0  # after a replica is killed, routes are watched this long
+STOP_TIMEOUT_S = 60.0  # the gateways' process writes every route it recorded when it stops
 START_TIMEOUT_S = 600.0  # a thousand sites register two thousand TLS connections before they serve
 
 
@@ -80,7 +84,7 @@ def measure(count: int, args: argparse.Namespace) -> dict[str, Any]:
         logs = (root / "logs").open("w")
         children: list[processes.Child] = []
         try:
-            replicas = [_replica(ca, base + 2 * i, logs) for i in range(args.replicas)]
+            replicas = [_replica(f"replica-{i}", ca, base + 2 * i, logs) for i in range(args.replicas)]
             children += replicas
             addresses = ",".join(r.ready["scheduler"] for r in replicas)
             agents = _agents(args, world_file, addresses, ca, base + 2 * args.replicas, len(world), root, logs)
@@ -111,9 +115,12 @@ def measure(count: int, args: argparse.Namespace) -> dict[str, Any]:
             processes.wait_ready(gateways, START_TIMEOUT_S)
             report = _phases(args, replicas, agents, gateways, ca)
         finally:
-            for child in reversed(children):
-                child.stop()
+            exits = {child.name: child.stop(STOP_TIMEOUT_S) for child in reversed(children)}
             logs.close()
+        missing = [n for n in ("gateways", *(c.name for c in agents)) if exits.get(n) != 0]
+        if missing:
+            tail = (root / "logs").read_text()[-3000:]
+            raise RuntimeError(f"simulated processes failed (exit codes {exits}); the end of their log:\n{tail}")
         routes = json.loads((root / "gateways.json").read_text())
         events = {}
         for i in range(len(agents)):
@@ -121,12 +128,12 @@ def measure(count: int, args: argparse.Namespace) -> dict[str, Any]:
         return _summary(count, world, args, report, routes, events)
 
 
-def _replica(ca: ThrowawayCa, port: int, logs) -> processes.Child:
+def _replica(name: str, ca: ThrowawayCa, port: int, logs) -> processes.Child:
     regions = REGIONS
     rtt = rtt_s(regions)
     flags = [f"--rtt-ms={a}:{b}={rtt[(a, b)] * 1000:g}" for a in regions for b in regions if a <= b]
     return processes.start_python(
-        f"scheduler-{port}",
+        name,
         "scheduler",
         ["--port", str(port), "--metrics-port", str(port + 1), *flags, *ca.flags(SCHEDULER)],
         log=logs,
@@ -169,32 +176,51 @@ def _agents(args, world_file: Path, addresses: str, ca: ThrowawayCa, port: int, 
 
 
 def _phases(args, replicas, agents, gateways, ca: ThrowawayCa) -> dict[str, Any]:
-    """Warm-up, the measured window, a site killed and one silenced, the routed replica killed."""
+    """Warm-up on the sites' reports alone, REPORTS_ONLY_S measured so, then the routes: a warm-up
+    and the measured window; a site killed and one silenced; the routed replica killed."""
     target = replicas[0]  # every gateway asks the first replica while it answers
     proc = psutil.Process(target.pid)
     context = client_ssl_context(ca.operator.creds)
     metrics_url = target.ready["metrics"]
+
+    def sample() -> tuple[float, dict[str, float], float]:
+        return _cpu_s(proc), _scrape(metrics_url, context), time.time()
+
     time.sleep(args.warmup_s)
+    quiet = sample()
+    time.sleep(REPORTS_ONLY_S)
+    quiet_end = sample()
+    os.kill(gateways.pid, signal.SIGUSR1)
+    time.sleep(ROUTES_WARMUP_S)
     machine = psutil.cpu_times()
-    cpu, scraped, start = _cpu_s(proc), _scrape(metrics_url, context), time.time()
+    every = [*replicas, *agents, gateways]
+    cpu_of = {c.name: _cpu_s(psutil.Process(c.pid)) for c in every}
+    (cpu, scraped, start) = sample()
     time.sleep(args.window_s)
-    cpu_end, scraped_end, end = _cpu_s(proc), _scrape(metrics_url, context), time.time()
+    (cpu_end, scraped_end, end) = sample()
+    per_process = {c.name: round((_cpu_s(psutil.Process(c.pid)) - cpu_of[c.name]) / (end - start), 3) for c in every}
     busy = _busy_share(machine, psutil.cpu_times())
     rss_mb = proc.memory_info().rss / 1024**2
     os.kill(agents[0].pid, signal.SIGUSR1)
     time.sleep(SILENCE_AFTER_S)
     os.kill(agents[0].pid, signal.SIGUSR2)
     time.sleep(DETECT_WAIT_S)
-    killed_at = time.time()
-    target.proc.kill()
-    time.sleep(FAILOVER_WAIT_S)
+    killed_at = None
+    if len(replicas) > 1:  # a replica's failover needs another to fail over to
+        killed_at = time.time()
+        target.proc.kill()
+        time.sleep(FAILOVER_WAIT_S)
+    reports = "federation_scheduler_reports_total"
     return {
         "window": (start, end),
         "scheduler_cpu_cores": (cpu_end - cpu) / (end - start),
+        "reports_only_cpu_cores": (quiet_end[0] - quiet[0]) / (quiet_end[2] - quiet[2]),
+        "reports_only_per_s": (quiet_end[1][reports] - quiet[1][reports]) / (quiet_end[2] - quiet[2]),
         "scheduler_rss_mb": rss_mb,
-        "reports": scraped_end["federation_scheduler_reports_total"] - scraped["federation_scheduler_reports_total"],
+        "reports": scraped_end[reports] - scraped[reports],
         "routes_answered": scraped_end["routes"] - scraped["routes"],
         "machine_busy": busy,
+        "process_cpu_cores": per_process,
         "replica_killed_at": killed_at,
     }
 
@@ -238,7 +264,7 @@ def _summary(count, world, args, report, routes, events) -> dict[str, Any]:
     latencies_ms = [took[i] * 1000.0 for i in in_window if outcome[i] == ROUTED]
     fanout_ms = [age * 1000.0 for at, age in routes["pushes"] if start <= at < end]
     killed_at = report["replica_killed_at"]
-    after_kill = [i for i, t in enumerate(asked) if t + took[i] >= killed_at]
+    after_kill = [] if killed_at is None else [i for i, t in enumerate(asked) if t + took[i] >= killed_at]
     waits = [took[i] for i in after_kill]
 
     def detected(event: str) -> float | None:
@@ -265,6 +291,16 @@ def _summary(count, world, args, report, routes, events) -> dict[str, Any]:
         "route_ms_p99": ms(_percentile(latencies_ms, 99)),
         "reports_per_s": round(report["reports"] / window_s, 1),
         "scheduler_cpu_cores": round(report["scheduler_cpu_cores"], 3),
+        "reports_only_cpu_cores": round(report["reports_only_cpu_cores"], 3),
+        "reports_only_per_s": round(report["reports_only_per_s"], 1),
+        # The replica's CPU per thousand routes a second, beyond what the reports cost: what a
+        # rate this machine cannot offer beside the simulated sites and gateways would cost it.
+        "cpu_cores_per_1000_routes_per_s": round(
+            1000
+            * (report["scheduler_cpu_cores"] - report["reports_only_cpu_cores"])
+            / max(1.0, len(latencies_ms) / window_s),
+            3,
+        ),
         "scheduler_rss_mb": round(report["scheduler_rss_mb"], 1),
         "watch_fanout_ms_p99": ms(_percentile(fanout_ms, 99)),
         "watch_fanout_ms_p50": ms(_percentile(fanout_ms, 50)),
@@ -276,6 +312,7 @@ def _summary(count, world, args, report, routes, events) -> dict[str, Any]:
         "routes_lost": sum(1 for o in outcome if o == LOST),
         "routes_asked": len(outcome),
         "machine_busy": round(report["machine_busy"], 3),
+        "process_cpu_cores": report["process_cpu_cores"],  # each process of the run, in the window
         "window_s": round(window_s, 1),
     }
 

@@ -9,7 +9,8 @@ to its site on a Generate call, as a gateway does, so that the site's reports ac
 Every route is recorded (when it was asked, how long its decision took, whether it was decided
 by a replica, locally in degraded mode, or not at all), and every state pushed to each gateway
 (how long after the replica built it it arrived, and when the sites named by `--watch-sites`
-were first seen down). `--out` gets them at exit (SIGTERM).
+were first seen down). Routes start at SIGUSR1, so that the sites' reports can be measured alone
+first. `--out` gets them at exit (SIGTERM).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import itertools
 import json
 import random
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -85,6 +87,7 @@ class Load:
         self.regions = regions
         self.rate_per_s = rate_per_s
         self.supervisor = Supervisor()  # a task of this process that fails stops it, loudly
+        self.go = asyncio.Event()  # routes are sent once this is set (SIGUSR1): the sites' reports alone come first
         self.delivery = Delivery(self.supervisor)
         self.rng = random.Random(1)
         self.systems = [[self.rng.getrandbits(64) for _ in range(SYSTEM_BLOCKS)] for _ in range(PREFIX_GROUPS)]
@@ -109,6 +112,7 @@ class Load:
         )
 
     async def send_forever(self) -> None:
+        await self.go.wait()
         loop = asyncio.get_running_loop()
         due = loop.time()
         for number in itertools.count():
@@ -198,6 +202,7 @@ async def serve(args: argparse.Namespace) -> int:
     while not load.ready(len(world)):
         await gateways[0].state_changed(0.5)
     load.supervisor.essential("send", load.send_forever())
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, load.go.set)
     stop = runtime.stop_event()
     runtime.announce_ready(gateways=len(gateways))
     failed = asyncio.ensure_future(load.supervisor.failed.wait())

@@ -80,9 +80,14 @@ class SiteModel:
         active = self._active
         return int(self._prompt[active].sum() + self._said[active].sum())
 
-    def outstanding_tokens(self) -> int:
-        """The ledger less what its batch has said: its agent's report of the work it holds."""
-        return max(self.held, self.ledger_tokens - int(self._said[self._active].sum()))
+    def outstanding_tokens(self, said: int | None = None) -> int:
+        """The ledger less what its batch has said (`said`, if known: `said_in_batch()` since the
+        last tick): its agent's report of the work it holds."""
+        return max(self.held, self.ledger_tokens - (self.said_in_batch() if said is None else said))
+
+    def said_in_batch(self) -> int:
+        """Output tokens its batch has said so far."""
+        return int(self._said[self._active].sum())
 
     def work_done(self) -> WorkDone:
         """What its workers did since it started, cumulative, as an agent reports it."""

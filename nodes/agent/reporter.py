@@ -275,6 +275,8 @@ class Reporter:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._calls: set[grpc.Future] = set()  # open report streams, cancelled at stop
+        # Each replica's report interval, as it said at registration or since (REPORT_EVERY).
+        self._intervals: dict[str, float] = {}
 
     def start(self, scheduler_addresses: list[str]) -> None:
         for address in scheduler_addresses:
@@ -310,7 +312,8 @@ class Reporter:
                     log.info("reporter.registered", scheduler=scheduler_address, site=registered.site)
                     attempt = 0
                     self.snapshots.follow(scheduler_address)
-                    reports = self._reports(scheduler_address, registered.report_interval_s, stub, version)
+                    self._intervals[scheduler_address] = registered.report_interval_s
+                    reports = self._reports(scheduler_address, stub, version)
                     call = stub.Report(reports, metadata=self.metadata)
                     self._calls.add(call)
                     for msg in call:
@@ -319,6 +322,8 @@ class Reporter:
                         if command.command is wire.Command.REMOVE:
                             self.stop_all()  # removed by an operator: stay away from every replica until restarted
                             return
+                        if command.command is wire.Command.REPORT_EVERY:
+                            self._intervals[scheduler_address] = command.report_interval_s
                         if command.command in (wire.Command.DRAIN, wire.Command.UNDRAIN):
                             self.draining = command.command is wire.Command.DRAIN
                         # Draining needs nothing else here: the schedulers stop routing to the
@@ -350,7 +355,7 @@ class Reporter:
             stub.RegisterSite(pb, timeout=self.timings.register_timeout_s, metadata=self.metadata)
         )
 
-    def _reports(self, scheduler_address: str, interval_s: float, stub: wire.SchedulerStub, version: int) -> Iterator:
+    def _reports(self, scheduler_address: str, stub: wire.SchedulerStub, version: int) -> Iterator:
         """One report per interval while the agent's loop is alive, and one at once on an urgent
         change (its workers' health); a new registration from the agent is
         registered before the next report; ends the stream when we stop."""
@@ -370,4 +375,4 @@ class Reporter:
                     log.warning("reporter.late", gap_s=round(now - sent_at, 2))
                 sent_at = now
                 yield report
-            seen = self.snapshots.wait_for_urgent(seen, interval_s)
+            seen = self.snapshots.wait_for_urgent(seen, self._intervals[scheduler_address])
