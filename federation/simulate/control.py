@@ -310,6 +310,7 @@ def _summary(count, world, args, report, routes, events) -> dict[str, Any]:
         "routes_lost_in_failover": sum(1 for i in after_kill if outcome[i] == LOST),
         "routes_degraded_in_failover": sum(1 for i in after_kill if outcome[i] == DEGRADED),
         "routes_lost": sum(1 for o in outcome if o == LOST),
+        "routes_lost_because": routes["lost_because"],
         "routes_asked": len(outcome),
         "machine_busy": round(report["machine_busy"], 3),
         "process_cpu_cores": report["process_cpu_cores"],  # each process of the run, in the window

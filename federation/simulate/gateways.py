@@ -94,6 +94,7 @@ class Load:
         self.asked_at: list[float] = []  # wall clock, per route
         self.took_s: list[float] = []
         self.outcome: list[int] = []
+        self.lost_because: dict[str, int] = {}  # why routes were not decided, and how many each
         self.pushes: list[tuple[float, float]] = []  # (arrived at, since the replica built it), every push
         self.down_seen: dict[str, list[float]] = {name: [] for name in watch}  # per site: each gateway's first sight
 
@@ -126,8 +127,9 @@ class Load:
         asked_at, started = time.time(), time.perf_counter()
         try:
             decision = await gateway.route(req)
-        except NoCapacity:
+        except NoCapacity as exc:
             outcome = LOST
+            self.lost_because[str(exc)] = self.lost_because.get(str(exc), 0) + 1
         else:
             outcome = DEGRADED if decision.reason == "degraded" else ROUTED
         self.asked_at.append(asked_at)
@@ -171,6 +173,7 @@ class Load:
             "pushes": self.pushes,
             "down_seen": self.down_seen,
             "finished": self.delivery.finished,
+            "lost_because": self.lost_because,
         }
 
 
