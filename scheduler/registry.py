@@ -63,7 +63,7 @@ class Site:
     # What routing weighs it by, kept from one report or route to the next (None: not routable):
     # computing a capacity per site per route cost milliseconds a route with a thousand sites.
     load: SiteLoad | None = None
-    report_interval_s: float = 0.25  # as it was told when it registered
+    report_interval_s: float = 0.25  # as it was last told: at registration, or paced since
     heartbeat_timeout_s: float = 1.0  # silent this long, it is down: as many intervals as the timings say
 
     @property
@@ -158,7 +158,6 @@ class Registry:
         self._pace_site(site, self._interval_for(len(self.sites) + (reg.name not in self.sites)))
         if old is not None:  # an agent that restarted keeps its counters and admin state
             site.routed_requests, site.draining = old.routed_requests, old.draining
-        if old is not None:
             for request_id in old.in_transit:
                 self._in_transit_at.pop(request_id, None)
         self.sites[reg.name] = site

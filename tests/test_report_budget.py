@@ -5,8 +5,17 @@ thousand sites every 0.25 s the reports were most of a replica's core (docs/BENC
 
 from __future__ import annotations
 
+import time
+import urllib.request
+
+import pytest
+
+from core.mtls import INSECURE
+from core.processes import free_port_block, start_python
 from core.settings import SchedulerTimings
-from core.wire import SiteRegistration, SiteReport
+from core.wire import SiteRegistration, SiteReport, SiteStatus
+from federation.admin import fetch_state
+from nodes.emulator.launch import launch
 from scheduler.registry import Registry
 
 MODEL = "openai/gpt-oss-120b"
@@ -40,3 +49,44 @@ def test_sites_that_joined_early_are_paced_as_the_federation_grows() -> None:
     assert {s.heartbeat_timeout_s for s in registry.sites.values()} == {2.0}
     assert registry.pace() == []  # paced once
     assert _join(registry, "s0").report_interval_s == 0.5 and registry.pace() == []
+
+
+def _reports_total(metrics_url: str) -> float:
+    with urllib.request.urlopen(metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    return next(
+        float(line.split()[1]) for line in text.splitlines() if line.startswith("federation_scheduler_reports_total ")
+    )
+
+
+@pytest.mark.timeout(120)
+def test_real_agents_follow_the_pace_their_replica_sets() -> None:
+    """A scheduler whose budget is 4 reports/s in all, and two real agents: the second to join
+    makes both report every 0.5 s (the first told so by REPORT_EVERY), so the replica hears ~4
+    reports a second, not 8, and neither site is ever down between its slower reports."""
+    port = free_port_block(2)
+    scheduler = start_python(
+        "scheduler",
+        "scheduler",
+        ["--insecure", "--port", str(port), "--metrics-port", str(port + 1), "--timings", '{"reports_per_s": 4.0}'],
+    )
+    emulator = launch(["--profile", "mi355x", "--workers", "1", "--speed", "50"])
+    agents = []
+    try:
+        for name in ("first", "second"):
+            args = ["--insecure", "--site", name, "--region", "r", "--gpu", "mi355x", "--gpus", "1"]
+            args += ["--port", str(free_port_block(1)), "--scheduler", f"127.0.0.1:{port}"]
+            agents.append(start_python(f"agent {name}", "nodes.agent", [*args, "--worker-url", emulator.urls[0]]))
+        url = scheduler.ready["metrics"]
+        time.sleep(3.0)  # both registered, the first paced
+        before, started = _reports_total(url), time.monotonic()
+        time.sleep(6.0)
+        rate = (_reports_total(url) - before) / (time.monotonic() - started)
+        assert 2.5 < rate < 5.5, rate  # 8/s unpaced
+        state = fetch_state(f"127.0.0.1:{port}", INSECURE)
+        assert {s.name: s.status for s in state.sites} == {"first": SiteStatus.READY, "second": SiteStatus.READY}
+    finally:
+        for agent in agents:
+            agent.stop()
+        emulator.stop()
+        scheduler.stop()

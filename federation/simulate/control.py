@@ -49,7 +49,7 @@ from federation.simulate.gateways import DEGRADED, LOST, ROUTED
 from federation.simulate.world import REGIONS, make_sites, rtt_s
 from federation.throwaway_ca import ThrowawayCa
 
-REPORTS_ONLY_S = 10.0  # the replica's cost of the sites' reports alone is measured this long ...
+REPORTS_ONLY_S = 10.0  # the replica's cost of the sites' reports alone is measured this long (at most the window) ...
 ROUTES_WARMUP_S = 3.0  # ... then routes start, and are measured after this long
 SILENCE_AFTER_S = 2.0  # the silenced site goes quiet this long after the killed one ...
 DETECT_WAIT_S = 3.0  # ... and each is given this long to be seen down
@@ -188,7 +188,7 @@ def _phases(args, replicas, agents, gateways, ca: ThrowawayCa) -> dict[str, Any]
 
     time.sleep(args.warmup_s)
     quiet = sample()
-    time.sleep(REPORTS_ONLY_S)
+    time.sleep(min(REPORTS_ONLY_S, args.window_s))
     quiet_end = sample()
     os.kill(gateways.pid, signal.SIGUSR1)
     time.sleep(ROUTES_WARMUP_S)

@@ -53,6 +53,9 @@ REFUSED_CODES = (
 # since the one before): beyond this the oldest are dropped; the schedulers forget routes never
 # acknowledged after a while anyway (SchedulerTimings.in_transit_limit_s).
 MAX_PENDING_IDS = 100_000
+# The paces a replica may ask for (COMMAND_REPORT_EVERY): none of ours asks less than its
+# timings' 0.25 s, nor more than a few seconds, which would leave the site down between reports.
+REPORT_INTERVAL_BOUNDS_S = (0.05, 5.0)
 
 
 class ReporterDied(Exception):
@@ -323,7 +326,7 @@ class Reporter:
                             self.stop_all()  # removed by an operator: stay away from every replica until restarted
                             return
                         if command.command is wire.Command.REPORT_EVERY:
-                            self._intervals[scheduler_address] = command.report_interval_s
+                            self._pace(scheduler_address, command.report_interval_s)
                         if command.command in (wire.Command.DRAIN, wire.Command.UNDRAIN):
                             self.draining = command.command is wire.Command.DRAIN
                         # Draining needs nothing else here: the schedulers stop routing to the
@@ -346,6 +349,14 @@ class Reporter:
                 attempt += 1
                 delay = min(self.timings.reconnect_max_s, self.timings.reconnect_base_s * 2**attempt)
                 self._stop.wait(delay * random.uniform(0.5, 1.0))
+
+    def _pace(self, scheduler_address: str, interval_s: float) -> None:
+        """Report to that replica every `interval_s` from now on (a replica keeping its sites'
+        reports within its budget); a pace no replica of ours would ask for is refused."""
+        if not REPORT_INTERVAL_BOUNDS_S[0] <= interval_s <= REPORT_INTERVAL_BOUNDS_S[1]:
+            log.warning("reporter.pace_refused", scheduler=scheduler_address, interval_s=interval_s)
+            return
+        self._intervals[scheduler_address] = interval_s
 
     def _register(self, stub: wire.SchedulerStub) -> wire.Registered:
         """Register what the agent last said the site is, drained or not as the operator said."""
@@ -371,7 +382,8 @@ class Reporter:
             elif (latest := self.snapshots.report_for(scheduler_address)) is not None:
                 report = wire.report_to_pb(latest)
                 now = time.monotonic()
-                if now - sent_at > self.timings.late_report_s:  # gRPC took this long to ask for the next one
+                # gRPC took this long to ask for the next one (a paced replica's interval is long on purpose)
+                if now - sent_at > max(self.timings.late_report_s, 3 * self._intervals[scheduler_address]):
                     log.warning("reporter.late", gap_s=round(now - sent_at, 2))
                 sent_at = now
                 yield report
