@@ -395,6 +395,24 @@ def federation_state_to_pb(s: FederationState) -> pb.FederationState:
     )
 
 
+def site_state_pb_now(
+    m: pb.SiteState, outstanding: tuple[int, int, int], ages: tuple[float, float, float]
+) -> pb.SiteState:
+    """`m`, a site's state built earlier, with its (outstanding requests, outstanding tokens,
+    routed requests) and (report, status, workers) ages of now: what changes between its reports."""
+    m.outstanding_requests, m.outstanding_tokens, m.routed_requests = outstanding
+    m.last_report_age_s, m.status_age_s, m.workers_age_s = ages
+    return m
+
+
+def federation_state_pb(
+    sites: Sequence[pb.SiteState], model: str, refused: Sequence[RefusedSite], built_unix_s: float
+) -> pb.FederationState:
+    return pb.FederationState(
+        sites=sites, model=model, refused=[pb.RefusedSite(**_plain(r)) for r in refused], built_unix_s=built_unix_s
+    )
+
+
 def _generate_request_to_pb(stream: int, r: GenerateRequest) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=r.request_id,

@@ -6,6 +6,7 @@ within a report period, so a restarted scheduler replica needs no storage.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -63,6 +64,9 @@ class Site:
     # What routing weighs it by, kept from one report or route to the next (None: not routable):
     # computing a capacity per site per route cost milliseconds a route with a thousand sites.
     load: SiteLoad | None = None
+    # Changed whenever what the site's state shows changes, but for its outstanding work, its
+    # routes and the ages (a state pushed to watchers is rebuilt only for the sites whose version moved).
+    version: int = 0
     report_interval_s: float = 0.25  # as it was last told: at registration, or paced since
     heartbeat_timeout_s: float = 1.0  # silent this long, it is down: as many intervals as the timings say
 
@@ -111,6 +115,7 @@ class Registry:
         self.prefixes = PrefixDirectory()  # which site was sent which prompt prefixes (core/prefixes.py)
         self.columns = SiteColumns()  # the routable sites' loads as columns (least_expected_delay_columns)
         self._in_transit_at: dict[str, str] = {}  # request id -> the site it is in transit to
+        self._versions = itertools.count(1)
 
     def refuse(self, name: str, reason: str) -> RegistrationRefused:
         """Remember why `name` was refused (for `fedctl status`); the error to raise. Only the
@@ -257,6 +262,7 @@ class Registry:
 
     def _refresh(self, site: Site) -> None:
         """Weigh `site` anew (its report, its status or its load changed)."""
+        site.version = next(self._versions)
         if site.status is not SiteStatus.READY:
             site.load = None
         else:
@@ -314,8 +320,17 @@ class Registry:
         return SiteStatus.READY
 
     @staticmethod
+    def ages(s: Site, now: float) -> tuple[float, float, float]:
+        """Seconds since its last report, its status changed, its healthy workers changed (-1: never)."""
+        return (
+            now - s.last_report_at if s.last_report_at else -1.0,
+            now - s.status_since,
+            now - s.workers_since if s.workers_since else -1.0,
+        )
+
+    @staticmethod
     def state_of(s: Site) -> SiteState:
-        now = time.monotonic()
+        report_age_s, status_age_s, workers_age_s = Registry.ages(s, time.monotonic())
         r = s.registration
         return SiteState(
             name=r.name,
@@ -330,15 +345,15 @@ class Registry:
             routed_requests=s.routed_requests,
             healthy_workers=s.report.healthy_workers if s.report else 0,
             total_workers=s.report.total_workers if s.report else 0,
-            last_report_age_s=now - s.last_report_at if s.last_report_at else -1.0,
+            last_report_age_s=report_age_s,
             prior_capacity_tok_s=s.prior_capacity_tok_s,
             capacity_evidence=s.estimator.shown_evidence(*s.workers),
             queued_requests=s.report.queued_requests if s.report else 0,
             slots=s.report.slots if s.report else 0,
             admit_window=s.slow_start.window,
             prefill_s_per_token=s.estimator.prefill_s_per_token(),
-            status_age_s=now - s.status_since,
-            workers_age_s=now - s.workers_since if s.workers_since else -1.0,
+            status_age_s=status_age_s,
+            workers_age_s=workers_age_s,
             checkpoint=r.checkpoint,
             weight_format=r.weight_format,
             loading_workers=s.report.loading_workers if s.report else 0,

@@ -9,6 +9,7 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 import grpc
 import structlog
@@ -60,6 +61,7 @@ class SchedulerService(wire.SchedulerServicer):
         self._decisions = 0
         self._commands: dict[str, asyncio.Queue[wire.SchedulerCommand]] = {}
         self._pushed: tuple[float, object] = (-1.0, None)  # the tick a state was last pushed at, and it
+        self._site_pbs: dict[str, tuple[int, Any]] = {}  # each site's state as last pushed: (its version, protobuf)
 
     def start_expiry(self) -> asyncio.Task[None]:
         """The sweep that marks silent sites down, restarted if it ever raises (core.supervise):
@@ -216,6 +218,21 @@ class SchedulerService(wire.SchedulerServicer):
             self.registry.states(), self.registry.model, tuple(self.registry.refused.values()), time.time()
         )
 
+    def _state_to_push(self) -> Any:
+        """The state as protobuf, each site's rebuilt only if its version moved since the last
+        push (the rest only has its outstanding work and ages brought up to now): a thousand
+        sites' states took ~24 ms to build afresh, ten times a second, on the loop routes wait on."""
+        now, registry, cached, sites = time.monotonic(), self.registry, self._site_pbs, []
+        for name, s in registry.sites.items():
+            built = cached.get(name)
+            if built is None or built[0] != s.version:
+                built = cached[name] = (s.version, wire.site_state_to_pb(registry.state_of(s)))
+            outstanding = (s.outstanding_requests, s.outstanding_tokens, s.routed_requests)
+            sites.append(wire.site_state_pb_now(built[1], outstanding, registry.ages(s, now)))
+        for name in [n for n in cached if n not in registry.sites]:
+            del cached[name]
+        return wire.federation_state_pb(sites, registry.model, tuple(registry.refused.values()), time.time())
+
     async def GetState(self, request, context):
         await self.guard.admit(context, "GetState")
         return wire.federation_state_to_pb(self._state())
@@ -233,7 +250,7 @@ class SchedulerService(wire.SchedulerServicer):
             tick = (math.floor(loop.time() / interval) + 1) * interval
             await asyncio.sleep(tick - loop.time())
             if self._pushed[0] != tick:
-                self._pushed = (tick, wire.federation_state_to_pb(self._state()))
+                self._pushed = (tick, self._state_to_push())
             yield self._pushed[1]
 
     async def _admin(self, request, context, command: wire.Command):
