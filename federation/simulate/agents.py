@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import json
+import random
 import signal
 import sys
 import time
@@ -44,7 +46,7 @@ log = structlog.get_logger("simulate.agents")
 SITE_METADATA = "federation-simulated-site"  # names the site a Generate call is for
 MODEL = "openai/gpt-oss-120b"
 READ_S = 1.0  # a site's model is advanced this often: an agent reads its workers' /metrics once a second
-GROUPS = 10  # sites report in this many groups, a report period apart in all: agents are not in step
+TICK_S = 0.005  # reports due are sent this often: a site's report is at most this late
 REGISTER_AT_ONCE = 64  # registrations (TLS handshakes) in flight at once
 
 
@@ -64,7 +66,6 @@ class SimAgent:
     silent: bool = False
     read_at: float = 0.0  # when its model was last advanced (its workers' metrics read)
     interval_s: float = 0.25  # it reports this often, as the replicas told it (the longest they said)
-    reported_at: float = 0.0
     said: int = 0  # its batch's output so far, as last read
     read: Any = None  # what that read says, less the load (protobuf: copied for each report)
 
@@ -108,7 +109,6 @@ class Agents:
         self.schedulers = schedulers
         self.tls_dir = tls_dir
         self.agents = {s.name: SimAgent(s, SiteModel(s, lambda a, b: 0.0), address) for s in sites}
-        self.period_s = 0.25  # every site's report is due at a multiple of this (the replicas' shortest interval)
         self.reports_sent = 0
         self.taken = 0
         self.events: dict[str, dict[str, object]] = {}
@@ -170,27 +170,24 @@ class Agents:
         agent.received.pop(replica, None)
 
     async def report_forever(self) -> None:
-        """Report each site every period, group by group across it; its model is read every
-        READ_S, as an agent reads its workers' metrics."""
-        agents = list(self.agents.values())
-        groups = [agents[i::GROUPS] for i in range(GROUPS)]
+        """Report each site when its interval is up, each at a phase of its own (agents are not in
+        step); its model is read every READ_S, as an agent reads its workers' metrics."""
+        rng = random.Random(0)
+        due = [(time.monotonic() + rng.uniform(0, a.interval_s), i, a) for i, a in enumerate(self.agents.values())]
+        heapq.heapify(due)
         while True:
-            for group in groups:
-                await asyncio.sleep(self.period_s / GROUPS)
-                now = time.monotonic()
-                for agent in group:
-                    if (
-                        agent.silent
-                        or not agent.model.alive
-                        or now - agent.reported_at < agent.interval_s - self.period_s / 2
-                    ):
-                        continue
-                    agent.reported_at = now
-                    if now - agent.read_at >= READ_S:
-                        for request in agent.advance(now):
-                            self._finished(agent, request)
-                    for replica, queue in agent.streams.items():
-                        queue.put_nowait(agent.report(replica))
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            while due[0][0] <= now:
+                _, i, agent = heapq.heappop(due)
+                heapq.heappush(due, (now + agent.interval_s, i, agent))
+                if agent.silent or not agent.model.alive or not agent.streams:
+                    continue
+                if now - agent.read_at >= READ_S:
+                    for request in agent.advance(now):
+                        self._finished(agent, request)
+                for replica, queue in agent.streams.items():
+                    queue.put_nowait(agent.report(replica))
 
     def crash(self) -> None:
         """The first site dies as a killed process does: its connections close."""
