@@ -9,9 +9,12 @@ import gc
 import ipaddress
 import json
 import math
+import os
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -92,7 +95,11 @@ class GcPauseLog:
 
     def __init__(self) -> None:
         self._started = 0.0
-        self._log = structlog.get_logger("runtime")
+        # Which process paused: in a drill's shared log, a dozen processes of a few kinds.
+        main = Path(sys.argv[0])
+        self._log = structlog.get_logger("runtime").bind(
+            process=main.parent.name if main.stem == "__main__" else main.stem, pid=os.getpid()
+        )
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         now = time.perf_counter()
@@ -100,7 +107,9 @@ class GcPauseLog:
             self._started = now
         elif now - self._started >= GC_PAUSE_LOGGED_S:
             pause_s = round(now - self._started, 3)
-            self._log.warning("runtime.gc_pause", pause_s=pause_s, generation=info["generation"])
+            self._log.warning(
+                "runtime.gc_pause", pause_s=pause_s, generation=info["generation"], collected=info["collected"]
+            )
 
 
 def run(serve: Callable[[argparse.Namespace], Awaitable[int]], args: argparse.Namespace) -> int:

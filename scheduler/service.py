@@ -238,7 +238,8 @@ class SchedulerService(wire.SchedulerServicer):
         return wire.federation_state_to_pb(self._state())
 
     async def WatchState(self, request, context) -> AsyncIterator:
-        """The state at once, then at every tick of the interval asked for. Ticks are the same
+        """The state at once, then at every tick of the interval asked for (the first at least an
+        interval later). Ticks are the same
         instants for every watcher of an interval, and the state pushed at a tick is built once
         for all of them: with a thousand sites a state takes milliseconds to build, which each
         of many gateways would otherwise cost every tenth of a second."""
@@ -246,12 +247,13 @@ class SchedulerService(wire.SchedulerServicer):
         interval = max(wire.state_request_from_pb(request), MIN_PUSH_S)
         loop = asyncio.get_running_loop()
         yield wire.federation_state_to_pb(self._state())
+        tick = math.ceil((loop.time() + interval) / interval) * interval  # never sooner than an interval after
         while True:
-            tick = (math.floor(loop.time() / interval) + 1) * interval
             await asyncio.sleep(tick - loop.time())
             if self._pushed[0] != tick:
                 self._pushed = (tick, self._state_to_push())
             yield self._pushed[1]
+            tick = (math.floor(loop.time() / interval) + 1) * interval
 
     async def _admin(self, request, context, command: wire.Command):
         await self.guard.admit(context, f"{command.name.title()}Site")
