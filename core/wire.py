@@ -389,10 +389,7 @@ def site_state_to_pb(s: SiteState) -> pb.SiteState:
 
 
 def federation_state_to_pb(s: FederationState) -> pb.FederationState:
-    refused = [pb.RefusedSite(**_plain(r)) for r in s.refused]
-    return pb.FederationState(
-        sites=[site_state_to_pb(x) for x in s.sites], model=s.model, refused=refused, built_unix_s=s.built_unix_s
-    )
+    return federation_state_pb([site_state_to_pb(x) for x in s.sites], s.model, s.refused, s.built_unix_s)
 
 
 def site_state_pb_now(
