@@ -23,8 +23,8 @@ from collections.abc import Iterable, Sequence
 BLOCK_TOKENS = 64  # a prefix is known to a block's precision: a 2,048-token system prompt is 32 hashes
 MAX_BLOCKS = 2048  # 131,072 tokens, the model's context: a request carries at most this many
 HASH_BYTES = 8
-# A directory's bound: (place, hash) pairs. ~520 bytes each in CPython with the pair and its
-# two indexes (each hash's places, each place's hashes), ~70 MB at most: a site per GPU holds
+# A directory's bound: (place, hash) pairs. ~480 bytes each in CPython with the pair and its
+# two indexes (each hash's places, each place's hashes), ~60 MB at most: a site per GPU holds
 # millions of tokens of KV, but what a directory must hold is what is hot (8 M tokens of distinct
 # prefixes), and an entry least recently sent is the first a worker evicts too.
 MAX_ENTRIES = 131_072
@@ -54,8 +54,9 @@ class PrefixDirectory:
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple[str, int], None] = OrderedDict()
         # Each hash's places: who holds a prompt's first block is found without asking every
-        # place (a scheduler with a thousand sites asks once per route).
-        self._places: dict[int, set[str]] = {}
+        # place (a scheduler with a thousand sites asks once per route). Most hashes are held by
+        # one place, kept as the bare name: a set per hash would cost 200 bytes more an entry.
+        self._places: dict[int, str | set[str]] = {}
         # And each place's hashes: a site that goes down is forgotten without a walk over every
         # entry (a thousand sites' directory is full, and sites go down by the hundred).
         self._hashes: dict[str, set[int]] = {}
@@ -72,17 +73,38 @@ class PrefixDirectory:
                 entries.move_to_end(key)
             else:
                 entries[key] = None
-                self._places.setdefault(h, set()).add(place)
+                self._add_place(h, place)
                 self._hashes.setdefault(place, set()).add(h)
         while len(entries) > self.max_entries:
             self._drop(entries.popitem(last=False)[0])
 
+    def _add_place(self, h: int, place: str) -> None:
+        held = self._places.get(h)
+        if held is None:
+            self._places[h] = place
+        elif isinstance(held, str):
+            self._places[h] = {held, place}
+        else:
+            held.add(place)
+
+    def _remove_place(self, h: int, place: str) -> None:
+        held = self._places[h]
+        if isinstance(held, str):
+            del self._places[h]
+            return
+        held.discard(place)
+        if len(held) == 1:
+            self._places[h] = next(iter(held))
+
+    def _places_of(self, h: int) -> set[str] | tuple[str, ...]:
+        held = self._places.get(h)
+        if held is None:
+            return ()
+        return (held,) if isinstance(held, str) else held
+
     def _drop(self, key: tuple[str, int]) -> None:
         place, h = key
-        places = self._places[h]
-        places.discard(place)
-        if not places:
-            del self._places[h]
+        self._remove_place(h, place)
         hashes = self._hashes[place]
         hashes.discard(h)
         if not hashes:
@@ -97,13 +119,13 @@ class PrefixDirectory:
     def holders(self, hashes: Sequence[int]) -> dict[str, int]:
         """The places that hold at least the request's first block, each with how many of its
         leading tokens: its longest run of the request's blocks from the first."""
-        first = self._places.get(hashes[0]) if hashes else None
+        first = self._places_of(hashes[0]) if hashes else ()
         if not first:
             return {}
         blocks = dict.fromkeys(first, 1)
         alive = list(first)
         for h in hashes[1:]:
-            places = self._places.get(h)
+            places = self._places_of(h)
             alive = [p for p in alive if p in places] if places else []
             if not alive:
                 break
@@ -115,7 +137,4 @@ class PrefixDirectory:
         """The place lost what it held (a site down or removed, a worker restarted)."""
         for h in self._hashes.pop(place, ()):
             del self._entries[(place, h)]
-            places = self._places[h]
-            places.discard(place)
-            if not places:
-                del self._places[h]
+            self._remove_place(h, place)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import resource
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from core.policy import RouteContext, SiteLoad, least_expected_delay
 from core.prefixes import BLOCK_TOKENS, PrefixDirectory, prefix_hashes
 from core.wire import RouteRequest
@@ -37,9 +40,49 @@ def test_the_directory_says_how_much_of_a_prefix_each_place_holds() -> None:
     assert directory.cached_tokens(["us"], asked) == {"us": 0}
 
 
+_PLACES = st.sampled_from(["us", "kr", "eu"])
+_STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("record"), _PLACES, st.lists(st.integers(0, 5), max_size=4)),
+        st.tuples(st.just("forget"), _PLACES, st.just([])),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_STEPS, st.lists(st.integers(0, 5), max_size=4))
+def test_the_directory_answers_as_a_plain_list_of_what_was_sent_where(steps, asked) -> None:
+    """Against the plainest model (every (place, hash) sent, least recent first, cut to the bound,
+    a forgotten place's removed): the same entries, and the same holders of any prefix, whichever
+    way a hash's places are kept (one place or several)."""
+    directory, model = PrefixDirectory(max_entries=6), []
+    for op, place, hashes in steps:
+        if op == "record":
+            directory.record(place, hashes)
+            for h in hashes:
+                if (place, h) in model:
+                    model.remove((place, h))
+                model.append((place, h))
+            del model[: max(0, len(model) - 6)]
+        else:
+            directory.forget(place)
+            model = [(p, h) for p, h in model if p != place]
+    assert len(directory) == len(model)
+    expected = {}
+    for place in {p for p, _ in model}:
+        run = 0
+        while run < len(asked) and (place, asked[run]) in model:
+            run += 1
+        if run:
+            expected[place] = run * BLOCK_TOKENS
+    assert directory.holders(asked) == expected
+
+
 def test_the_directory_stays_within_its_bound_under_a_flood_of_distinct_prefixes() -> None:
     """100,000 requests of distinct 1,024-token prompts (1.6 M blocks) leave at most its bound of
-    entries and a few tens of MB more memory; the most recent prefixes are the ones kept."""
+    entries and a few tens of MB more memory (32 MB from a fresh process: ~460 bytes an entry,
+    and what the flood's own tuples leave behind); the most recent prefixes are the ones kept."""
     directory = PrefixDirectory(max_entries=50_000)
     before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     last = ()
