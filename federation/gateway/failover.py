@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
-from core import tokens, wire
+from core import runtime, tokens, wire
 from core.errors import NoCapacity, SiteWorkerFailed, UpstreamFailed
 from core.settings import GatewayTimings
 from federation.gateway import metrics, spans
@@ -38,6 +38,8 @@ log = structlog.get_logger("gateway")
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # what a /generate without max_new_tokens gets
 STRUCTURED_OUTPUT_PARAMS = ("json_schema", "regex", "ebnf")
+# Built once: tenacity's predicate refers to itself (a cycle per request otherwise; core/runtime.retried).
+RETRY_ON_SITE_FAILURE = retry_if_exception_type((UpstreamFailed, NoCapacity))
 
 
 # How long a request may look for a site that serves it, from its arrival or from a failure:
@@ -228,13 +230,13 @@ class Generation:
         """(decision, stream) from the first site that starts answering."""
         self._held_s = 0.0
         retrying = AsyncRetrying(
-            retry=retry_if_exception_type((UpstreamFailed, NoCapacity)),
+            retry=RETRY_ON_SITE_FAILURE,
             wait=wait_random_exponential(multiplier=0.05, max=1.0),
             stop=self._budget_spent,
             reraise=True,
             before_sleep=self._count_retry,
         )
-        return await retrying(self._attempt, request)
+        return await runtime.retried(retrying, self._attempt, request)
 
     def _budget_spent(self, state: RetryCallState) -> bool:
         return (state.seconds_since_start or 0.0) - self._held_s >= self.config.retry_budget_s

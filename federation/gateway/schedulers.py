@@ -114,7 +114,7 @@ class Schedulers:
             reraise=True,
         )
         try:
-            return await retrying(self._route_on_any, req)
+            return await runtime.retried(retrying, self._route_on_any, req)
         except RouteFailed as exc:
             raise NoCapacity(f"no site available: {exc.details}") from None
         except RoundTimedOut:
