@@ -25,13 +25,15 @@ from core import tokens
 from federation.bench.client import Result, send, served_model, session
 from federation.bench.workload import Sample
 
-# Defaults: a chat assistant's turns (128-token questions, 256-token answers, as the shared-
-# prefix set's), after an opening of 1,024 tokens; six turns, the last ~2,900 tokens long.
+# Defaults: SGLang's own multi-turn benchmark's (benchmark/hicache/bench_multiturn.py, the one
+# its cache work is measured by: --num-clients 256, --num-rounds 5, --request-length 512 for the
+# opening and for each later question, --output-length 64), the last turn 2,816 tokens long.
+# Its clients wait in a queue of ready turns drawn at a Poisson rate; ours think between turns.
 CONVERSATIONS = 256
-TURNS = 6
-OPENING_TOKENS = 1024
-QUESTION_TOKENS = 128
-ANSWER_TOKENS = 256
+TURNS = 5
+OPENING_TOKENS = 512
+QUESTION_TOKENS = 512
+ANSWER_TOKENS = 64
 THINK_S = 2.0  # GPU seconds between an answer and the next question
 
 

@@ -93,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="mlperf-like: MLPerf's lengths, no prompt shares a prefix (--requests, --prompt-*, --output-*); "
         "shared-prefix: SGLang's generated-shared-prefix set at its defaults (64 groups x 16 questions after "
         "a 2,048-token system prompt each, 128-token questions, 256-token answers); multi-turn: conversations "
-        "whose history grows (federation/bench/conversations.py)",
+        "whose history grows, at SGLang's multi-turn benchmark's defaults (256 conversations of 5 turns, "
+        "512-token opening and questions, 64-token answers; federation/bench/conversations.py)",
     )
     for workload, flags in WORKLOAD_FLAGS.items():
         for dest, (default, what) in flags.items():
