@@ -6,6 +6,12 @@ prompt and answer, as a chat client resends them. Between turns the user thinks.
 but the first finds its history cached wherever the conversation's previous turn ran, and
 nowhere else: sprayed across sites and workers, every turn re-prefills its whole history.
 
+Two pacings. By default (Offline) every conversation is its own user, who thinks THINK_S
+between an answer and the next question: all of them at once, the federation saturated. With
+a rate (`--scenario server --rate R`), SGLang's own multi-turn benchmark's pacing: turns leave
+at a Poisson rate, each taken at random from the conversations whose previous answer has come
+back, at most MAX_PARALLEL open; the load is what the rate says, not what the endpoint can take.
+
 Measured as `fedctl bench` measures a run (`scenarios.summarize`), plus `affinity`: of the
 turns after a conversation's first, the share served at the site its previous turn was (an
 endpoint that does not say its site, a peer's, has none).
@@ -35,6 +41,7 @@ OPENING_TOKENS = 512
 QUESTION_TOKENS = 512
 ANSWER_TOKENS = 64
 THINK_S = 2.0  # GPU seconds between an answer and the next question
+MAX_PARALLEL = 128  # paced by a rate: turns open at most (bench_multiturn.py's --max-parallel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,11 +53,35 @@ class Conversations:
     answer_tokens: int = ANSWER_TOKENS
     think_s: float = THINK_S
     seed: int = 0
+    rate: float | None = None  # turns/s (GPU time) drawn from the ready conversations; None: users think
 
 
 def run(endpoint: str, spec: Conversations, speed: float, label: str) -> list[list[Result]]:
     """Every conversation to its end; each one's turns' results, in order."""
     return uvloop.run(_run(endpoint, spec, speed, label))
+
+
+class _Conversation:
+    """One conversation's history so far and the results of its turns."""
+
+    def __init__(self, index: int, opening: str, questions: list[str], spec: Conversations) -> None:
+        self.index, self.questions, self.spec = index, questions, spec
+        self.history, self.tokens_so_far = opening, spec.opening_tokens
+        self.results: list[Result] = []
+
+    def next_turn(self) -> Sample:
+        turn = len(self.results)
+        return Sample(self.index * self.spec.turns + turn, self.history, self.tokens_so_far, self.spec.answer_tokens)
+
+    def answered(self, result: Result) -> bool:
+        """Takes the turn's result; whether the conversation goes on (a failed turn ends it)."""
+        self.results.append(result)
+        turn = len(self.results) - 1
+        if not result.ok or turn == self.spec.turns - 1:
+            return False
+        self.history += result.text + self.questions[turn]
+        self.tokens_so_far += result.output_tokens + self.spec.question_tokens
+        return True
 
 
 async def _run(endpoint: str, spec: Conversations, speed: float, label: str) -> list[list[Result]]:
@@ -60,32 +91,57 @@ async def _run(endpoint: str, spec: Conversations, speed: float, label: str) -> 
     def words(n: int) -> str:
         return synth.window(rng.randrange(synth.period), n)[0]
 
-    scripts = [
-        (words(spec.opening_tokens), [words(spec.question_tokens) for _ in range(spec.turns - 1)])
-        for _ in range(spec.conversations)
+    chats = [
+        _Conversation(i, words(spec.opening_tokens), [words(spec.question_tokens) for _ in range(spec.turns - 1)], spec)
+        for i in range(spec.conversations)
     ]
     async with session(endpoint) as http:
         model = await served_model(http, endpoint)
         with tqdm(total=spec.conversations * spec.turns, desc=label, unit="turn", mininterval=2.0) as bar:
 
-            async def converse(index: int, opening: str, questions: list[str]) -> list[Result]:
-                # Conversations begin over one think time, not all at once.
-                await asyncio.sleep(rng.random() * spec.think_s / speed)
-                history, tokens_so_far, results = opening, spec.opening_tokens, []
-                for turn in range(spec.turns):
-                    sample = Sample(index * spec.turns + turn, history, tokens_so_far, spec.answer_tokens)
-                    result = await send(http, endpoint, model, sample, keep_text=True)
-                    results.append(result)
-                    bar.update()
-                    if not result.ok or turn == spec.turns - 1:
-                        break
-                    await asyncio.sleep(spec.think_s / speed)
-                    history += result.text + questions[turn]
-                    tokens_so_far += result.output_tokens + spec.question_tokens
-                return results
+            async def turn(chat: _Conversation) -> bool:
+                result = await send(http, endpoint, model, chat.next_turn(), keep_text=True)
+                bar.update()
+                return chat.answered(result)
 
-            conversations = await asyncio.gather(*(converse(i, o, q) for i, (o, q) in enumerate(scripts)))
-    return list(conversations)
+            if spec.rate is None:
+                await asyncio.gather(*(_think_between(chat, turn, rng, spec.think_s / speed) for chat in chats))
+            else:
+                await _paced(chats, turn, rng, spec.rate * speed)
+    return [chat.results for chat in chats]
+
+
+async def _think_between(chat: _Conversation, turn, rng: random.Random, think_wall_s: float) -> None:
+    """A user: the first question within one think time (not all at once), then one a think time
+    after each answer."""
+    await asyncio.sleep(rng.random() * think_wall_s)
+    for _ in range(chat.spec.turns):
+        if not await turn(chat):
+            return
+        await asyncio.sleep(think_wall_s)
+
+
+async def _paced(chats: list[_Conversation], turn, rng: random.Random, wall_rate: float) -> None:
+    """bench_multiturn.py's sender: a turn at Poisson intervals, from a ready conversation taken at
+    random (waiting for one when none is ready or MAX_PARALLEL are open)."""
+    ready, changed = list(chats), asyncio.Event()
+    open_turns: set[asyncio.Task[None]] = set()
+
+    async def one(chat: _Conversation) -> None:
+        try:
+            if await turn(chat):
+                ready.append(chat)
+        finally:
+            open_turns.discard(asyncio.current_task())
+            changed.set()
+
+    while ready or open_turns:
+        if not ready or len(open_turns) >= MAX_PARALLEL:
+            changed.clear()
+            await changed.wait()
+            continue
+        open_turns.add(asyncio.create_task(one(ready.pop(rng.randrange(len(ready))))))
+        await asyncio.sleep(rng.expovariate(wall_rate))
 
 
 def affinity(conversations: list[list[Result]]) -> float | None:

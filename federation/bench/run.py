@@ -104,7 +104,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             )
     p.add_argument("--requests", type=runtime.positive_int, default=DEFAULT_REQUESTS, help="samples per run")
     p.add_argument(
-        "--rate", type=runtime.positive_float, default=None, help="Server: arrivals/s (GPU time); omit to search"
+        "--rate",
+        type=runtime.positive_float,
+        default=None,
+        help="Server: arrivals/s (GPU time); omit to search (multi-turn: turns/s, required)",
     )
     p.add_argument(
         "--sustain-s",
@@ -317,9 +320,9 @@ def _offline(
 
 def _conversations(endpoint: str, args: argparse.Namespace, speed: float, label: str) -> dict[str, Any]:
     """Every conversation to its end (conversations.py): the run's keys, over all their turns."""
-    runs = conversations.run(
-        endpoint, conversations.Conversations(args.conversations, args.turns, seed=args.seed), speed, label
-    )
+    rate = args.rate if args.scenario == "server" else None
+    spec = conversations.Conversations(args.conversations, args.turns, seed=args.seed, rate=rate)
+    runs = conversations.run(endpoint, spec, speed, label)
     results = [r for turns in runs for r in turns]
     summary = scenarios.summarize(results, scenario="offline", policy=label, speed=speed)
     return {**summary, "affinity": conversations.affinity(runs), "conversations": len(runs)}
@@ -461,6 +464,9 @@ def _run_on(start, samples: Sequence[Sample], args: argparse.Namespace, speed: f
 def main(args: argparse.Namespace) -> int:
     if (refused := workload_flags(args)) is not None:
         print(f"fedctl bench: {refused}", file=sys.stderr)
+        return 2
+    if args.workload == "multi-turn" and args.scenario == "server" and args.rate is None:
+        print("fedctl bench: --workload multi-turn --scenario server needs --rate (turns/s, GPU time)", file=sys.stderr)
         return 2
     if args.scale_gateways is not None and (not args.datapath or args.scale_gateways < 2):
         print("fedctl bench: --scale-gateways N needs --datapath and N of 2 or more", file=sys.stderr)
