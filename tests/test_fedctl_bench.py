@@ -166,6 +166,8 @@ def test_a_workloads_flag_given_for_another_is_refused() -> None:
     assert proc.returncode == 2 and "--gsp-num-groups is for --workload shared-prefix, not mlperf-like" in proc.stderr
     proc = fedctl("bench", "--workload", "shared-prefix", "--conversations", "4")
     assert proc.returncode == 2 and "--conversations is for --workload multi-turn" in proc.stderr, proc.stderr
+    proc = fedctl("bench", "--workload", "multi-turn", "--scenario", "server")  # paced: by what rate?
+    assert proc.returncode == 2 and "multi-turn --scenario server needs --rate" in proc.stderr, proc.stderr
 
 
 def test_scaling_gateways_out_is_a_datapath_measurement() -> None:
@@ -196,3 +198,18 @@ def test_the_reuse_workloads_measure_cache_hits_and_affinity(tmp_path: Path) -> 
     assert turns["conversations"] == 64 and turns["requests"] == 64 * 5
     assert turns["requests_failed"] == 0 and turns["affinity"] >= 0.95 and turns["cache_hit_rate"] > 0.5, turns
     assert turns["comparisons"]["round_robin"]["affinity"] < 0.9
+    # Paced as SGLang's bench_multiturn.py paces them: every turn sent, still at its site.
+    paced = _bench(
+        tmp_path,
+        "--workload",
+        "multi-turn",
+        "--conversations",
+        "16",
+        "--turns",
+        "3",
+        "--scenario",
+        "server",
+        "--rate",
+        "200",
+    )
+    assert paced["requests"] == 16 * 3 and paced["requests_failed"] == 0 and paced["affinity"] >= 0.9, paced
