@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 BLOCK_TOKENS = 64  # a prefix is known to a block's precision: a 2,048-token system prompt is 32 hashes
 MAX_BLOCKS = 2048  # 131,072 tokens, the model's context: a request carries at most this many
 HASH_BYTES = 8
-# A directory's bound: (place, hash) pairs. ~480 bytes each in CPython with the pair and its
+# A directory's bound: (place, hash) pairs. ~460 bytes each in CPython with the pair and its
 # two indexes (each hash's places, each place's hashes), ~60 MB at most: a site per GPU holds
 # millions of tokens of KV, but what a directory must hold is what is hot (8 M tokens of distinct
 # prefixes), and an entry least recently sent is the first a worker evicts too.

@@ -121,9 +121,8 @@ async def retried(retrying: AsyncRetrying, fn: Callable[..., Awaitable[T]], *arg
 
     tenacity keeps the steps of a call as bound methods of the object that runs it, a cycle only
     the collector frees. A gateway builds one or two per request: ~23 objects a request were left
-    to the collector, 280 k found by each of its generation-1 collections, and the objects of
-    requests held long enough reached the oldest generation, whose full collections stopped a
-    gateway for up to 9 s in the add-site drill (docs/BENCHMARKS.md, "Garbage a request left")."""
+    to the collector, 280 k for each of its generation-1 collections to find, which stopped it
+    for up to 1.7 s in the add-site drill (docs/BENCHMARKS.md, "Garbage a request left")."""
     try:
         return await retrying(fn, *args)
     finally:

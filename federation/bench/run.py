@@ -324,7 +324,7 @@ def _conversations(endpoint: str, args: argparse.Namespace, speed: float, label:
     spec = conversations.Conversations(args.conversations, args.turns, seed=args.seed, rate=rate)
     runs = conversations.run(endpoint, spec, speed, label)
     results = [r for turns in runs for r in turns]
-    summary = scenarios.summarize(results, scenario="offline", policy=label, speed=speed)
+    summary = scenarios.summarize(results, scenario=args.scenario, policy=label, speed=speed)
     return {**summary, "affinity": conversations.affinity(runs), "conversations": len(runs)}
 
 
