@@ -239,14 +239,14 @@ class SchedulerService(wire.SchedulerServicer):
 
     async def WatchState(self, request, context) -> AsyncIterator:
         """The state at once, then at every tick of the interval asked for (the first at least an
-        interval later). Ticks are the same
-        instants for every watcher of an interval, and the state pushed at a tick is built once
-        for all of them: with a thousand sites a state takes milliseconds to build, which each
-        of many gateways would otherwise cost every tenth of a second."""
+        interval later). Ticks are the same instants for every watcher of an interval, and the
+        state pushed at a tick is built once for all of them, through the same per-site cache as
+        the first: with a thousand sites a state takes milliseconds to build, which each of many
+        gateways would otherwise cost every tenth of a second."""
         await self.guard.admit(context, "WatchState")
         interval = max(wire.state_request_from_pb(request), MIN_PUSH_S)
         loop = asyncio.get_running_loop()
-        yield wire.federation_state_to_pb(self._state())
+        yield self._state_to_push()
         tick = math.ceil((loop.time() + interval) / interval) * interval  # never sooner than an interval after
         while True:
             await asyncio.sleep(tick - loop.time())
