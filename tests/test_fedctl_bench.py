@@ -160,14 +160,16 @@ def test_datapath_reports_cpu_per_token_per_hop_beside_the_router(tmp_path: Path
 
 
 def test_a_workloads_flag_given_for_another_is_refused() -> None:
-    """`--conversations` belongs to multi-turn, `--gsp-*` to shared-prefix: with another workload
-    they would change nothing, so the run is refused before anything starts, saying which."""
+    """`--conversations` belongs to multi-turn, `--gsp-*` to shared-prefix, `--rate` to a Server run:
+    elsewhere they would change nothing, so the run is refused before anything starts, saying which."""
     proc = fedctl("bench", "--gsp-num-groups", "4")
     assert proc.returncode == 2 and "--gsp-num-groups is for --workload shared-prefix, not mlperf-like" in proc.stderr
     proc = fedctl("bench", "--workload", "shared-prefix", "--conversations", "4")
     assert proc.returncode == 2 and "--conversations is for --workload multi-turn" in proc.stderr, proc.stderr
     proc = fedctl("bench", "--workload", "multi-turn", "--scenario", "server")  # paced: by what rate?
     assert proc.returncode == 2 and "multi-turn --scenario server needs --rate" in proc.stderr, proc.stderr
+    proc = fedctl("bench", "--workload", "multi-turn", "--rate", "20")  # Offline: a rate would change nothing
+    assert proc.returncode == 2 and "--rate is for --scenario server or --loadgen" in proc.stderr, proc.stderr
 
 
 def test_scaling_gateways_out_is_a_datapath_measurement() -> None:

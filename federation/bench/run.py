@@ -320,8 +320,7 @@ def _offline(
 
 def _conversations(endpoint: str, args: argparse.Namespace, speed: float, label: str) -> dict[str, Any]:
     """Every conversation to its end (conversations.py): the run's keys, over all their turns."""
-    rate = args.rate if args.scenario == "server" else None
-    spec = conversations.Conversations(args.conversations, args.turns, seed=args.seed, rate=rate)
+    spec = conversations.Conversations(args.conversations, args.turns, seed=args.seed, rate=args.rate)
     runs = conversations.run(endpoint, spec, speed, label)
     results = [r for turns in runs for r in turns]
     summary = scenarios.summarize(results, scenario=args.scenario, policy=label, speed=speed)
@@ -464,6 +463,9 @@ def _run_on(start, samples: Sequence[Sample], args: argparse.Namespace, speed: f
 def main(args: argparse.Namespace) -> int:
     if (refused := workload_flags(args)) is not None:
         print(f"fedctl bench: {refused}", file=sys.stderr)
+        return 2
+    if args.rate is not None and args.scenario != "server" and not args.loadgen:
+        print("fedctl bench: --rate is for --scenario server or --loadgen (Offline sends at once)", file=sys.stderr)
         return 2
     if args.workload == "multi-turn" and args.scenario == "server" and args.rate is None:
         print("fedctl bench: --workload multi-turn --scenario server needs --rate (turns/s, GPU time)", file=sys.stderr)
