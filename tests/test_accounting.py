@@ -72,6 +72,18 @@ def test_a_stretch_with_idle_time_is_left_out() -> None:
     assert done is not None and done.passes == 10 and abs(done.busy_s - 1.0) < 1e-9
 
 
+def test_a_stretch_from_a_read_where_the_worker_ran_nothing_is_left_out() -> None:
+    """A worker idle at a read (its decode batch 0) whose first request came just after: SGLang
+    publishes idle time at most once a second, so the idle before that request can be missing
+    from the next read's counter, and the stretch would read it as a slow pass. It starts afresh
+    at the next read instead, and the stretch after that is read."""
+    meter = WorkMeter()
+    meter.add(_later(0.0, running_requests=-200), False)  # idle: nothing decoding
+    assert meter.add(_later(1.0, decode_passes=1, decode_tokens=1), False) is None
+    done = meter.add(_later(2.0, decode_passes=11, decode_tokens=2001), False)
+    assert done is not None and done.passes == 10 and done.decode_seqs == 2000
+
+
 def test_a_pass_longer_than_a_read_interval_is_waited_for() -> None:
     """A pass that outlasts a read (a slowed-down emulator's): that read closes nothing, and the
     stretch ends at the read after the pass, with its whole time."""

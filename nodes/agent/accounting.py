@@ -20,7 +20,12 @@ stalls around a read makes that read useless, not misleading, and the next read 
 stall. A stretch ends only once a pass has ended in it: at a tenth of real speed one pass
 can outlast several reads, and a stretch cut inside it would hold its time but not its work. SGLang records idle time late (at most a second after, at its next event), so a
 stretch in which the worker idled for more than a small part (IDLE_FRACTION) is left out
-rather than read as slow.
+rather than read as slow, and so is one that starts at a read where the worker ran nothing
+(its decode batch 0, as SGLang shows an idle scheduler): the idle before its first request may
+be published only after the next read, and the stretch would hold that idle as busy time (a
+site that joined idle read 3.5 times too slow on its first requests; add-site, #40). The
+stretch starts afresh at the next read; a worker that runs no decode batch at all (prompts
+only) gives no stretch, and its site keeps the prior or the probe.
 
 Under --enable-mixed-chunk (the emulator's step) a prefill pass also decodes the running
 batch, and SGLang counts none of that decode; those sequences are taken as the batch its
@@ -82,7 +87,8 @@ class WorkMeter:
         cached = now.cached_tokens - last.cached_tokens
         idle_s = now.idle_s - last.idle_s
         restarted = min(passes, decoded, prefilled, cached, idle_s) < 0  # its counters went back
-        if restarted or span_s > MAX_STRETCH_S or idle_s > IDLE_FRACTION * span_s:
+        idled = idle_s > IDLE_FRACTION * span_s or last.running_requests <= 0
+        if restarted or span_s > MAX_STRETCH_S or idled:
             self._last = now
             return None
         long_pass_s = max(LONG_PASS_MIN_S, LONG_PASS_FACTOR * self._pass_s)
