@@ -21,6 +21,12 @@ finishes too little for a while keeps the shape it last said, as the federation'
 back from an outage runs only young requests, which finish little for minutes, and what
 routing sends it did not change while it was away (the site-blackhole drill read Korea on the
 federation's mix, US-shaped, 13 % low, until its end).
+
+A site's completions say its mix only once they keep pace with what it relays (STEADY_FRACTION):
+a site that joined, or whose share is growing, has only young requests, and the ones that
+finish first are the short answers. Their prompt per output token is high (9 where the site
+truly ran 5.3, in the add-site drill), and read as its mix they cut its capacity by a quarter
+for minutes. Until then it has the federation's mix, or keeps the shape it last said.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from core.wire import SiteReport
 _PROMPT, _OUTPUT, _SIGMA = 1000.0, 1278.0, 0.8
 TIME_CONSTANT_S = 20.0  # finished requests come in bursts; the mix changes slowly
 MIN_OUTPUT_TOKENS = 20_000  # finished output tokens (decayed) before the counted mix is used
+STEADY_FRACTION = 0.9  # a site's finished output over what it relayed, before its mix is its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,21 +56,29 @@ REFERENCE = Workload(_PROMPT / _OUTPUT, _PROMPT + _OUTPUT * math.exp(_SIGMA**2) 
 
 @dataclass(slots=True)
 class _Sums:
-    """Decayed sums of finished prompt and output tokens, reported KV tokens and running requests."""
+    """Decayed sums of finished prompt and output tokens, output tokens relayed, reported KV
+    tokens and running requests."""
 
     prompt: float = 0.0
     output: float = 0.0
+    relayed: float = 0.0
     context: float = 0.0
     running: float = 0.0
     at: float = 0.0
 
-    def add(self, prompt: int, output: int, context: int, running: int, now: float) -> None:
+    def add(self, prompt: int, output: int, relayed: int, context: int, running: int, now: float) -> None:
         keep = math.exp(-(now - self.at) / TIME_CONSTANT_S) if self.at else 1.0
         self.at = now
         self.prompt = self.prompt * keep + prompt
         self.output = self.output * keep + output
+        self.relayed = self.relayed * keep + relayed
         self.context = self.context * keep + context
         self.running = self.running * keep + running
+
+    @property
+    def steady(self) -> bool:
+        """Finishing as much output as it relays: not a young population's short answers first."""
+        return self.output >= STEADY_FRACTION * self.relayed
 
     def shape(self) -> Workload | None:
         """The mix these sums say, once they hold enough finished work to say it."""
@@ -76,7 +91,7 @@ class WorkloadMix:
     """Each site's mix and the federation's, from decayed sums updated per report."""
 
     def __init__(self) -> None:
-        self._totals: dict[str, tuple[int, int]] = {}  # site -> its last (prompt, output) counters
+        self._totals: dict[str, tuple[int, int, int]] = {}  # site -> its last (prompt, output, relayed) counters
         self._federation = _Sums()
         self._sites: dict[str, _Sums] = {}
         self._shapes: dict[str, Workload] = {}  # each site's mix, as it last said it
@@ -84,21 +99,20 @@ class WorkloadMix:
 
     def observe(self, report: SiteReport, now: float) -> None:
         last = self._totals.get(report.site)
-        self._totals[report.site] = (report.prompt_tokens_total, report.generation_tokens_total)
+        totals = (report.prompt_tokens_total, report.generation_tokens_total, report.relayed_tokens_total)
+        self._totals[report.site] = totals
         if last is None:
             return
-        # A counter lower than before: the agent restarted and counts from 0.
-        prompt, output = report.prompt_tokens_total - last[0], report.generation_tokens_total - last[1]
-        if prompt < 0 or output < 0:
-            prompt, output = report.prompt_tokens_total, report.generation_tokens_total
+        # A counter lower than before: the agent restarted and counts it from 0.
+        prompt, output, relayed = (total - then if total >= then else total for total, then in zip(totals, last))
         site = self._sites.setdefault(report.site, _Sums())
         # The KV per running request, from a report that says both: one that runs requests and
         # says no KV (an agent that cannot read it) would make the mix's context 0.
         running = report.running_requests if report.context_tokens > 0 else 0
         for sums in (self._federation, site):
-            sums.add(prompt, output, report.context_tokens if running else 0, running, now)
+            sums.add(prompt, output, relayed, report.context_tokens if running else 0, running, now)
         self.current = self._federation.shape() or self.current
-        if (shape := site.shape()) is not None:
+        if site.steady and (shape := site.shape()) is not None:
             self._shapes[report.site] = shape
 
     def of(self, site: str) -> Workload:

@@ -291,11 +291,44 @@ def test_a_site_back_from_an_outage_keeps_its_shape() -> None:
             context_tokens=round(16 * batch * 300),
             generation_tokens_total=a.relayed,
             prompt_tokens_total=round(a.relayed * 5.0),
+            relayed_tokens_total=a.relayed + (second + 1) * 16 * batch * 40,
         )
         mix.observe(young, b.at + second)
         b.run(est_b, 1, *reference, mix=mix, slots=16 * batch)
     assert abs(mix.current.prompt_per_output / REFERENCE.prompt_per_output - 1) < 0.05  # b's, by now
     assert abs(mix.of("a").prompt_per_output / 5.0 - 1) < 0.01
+
+
+def test_a_site_that_just_joined_has_the_federations_mix_until_it_is_steady() -> None:
+    """Site b runs MLPerf-like work; n joins and relays as much as b, but its requests are young:
+    for 60 s it finishes only a third of what it relays, short answers to long prompts (9 prompt
+    tokens per output token). That is not its mix, and its capacity is not cut for it: it has
+    the federation's. Once its completions keep pace with what it relays, the mix is its own."""
+    mix = WorkloadMix()
+    batch = PROFILES["mi355x"].max_running_requests
+    b = Site(PROFILES["mi355x"], name="b")
+    est_b = CapacityEstimator.for_site("mi355x", 16, mix, site="b")
+    reference = (batch, REFERENCE.context_per_request, batch * REFERENCE.prompt_per_output)
+    b.run(est_b, 30, *reference, mix=mix, slots=16 * batch)
+    relayed = finished = 0
+    for second in range(120):
+        relayed += 16 * batch * 40  # what b relays a second, about
+        finished += 16 * batch * 40 // (3 if second < 60 else 1)
+        young = SiteReport(
+            "n",
+            healthy_workers=16,
+            total_workers=16,
+            running_requests=16 * batch,
+            context_tokens=16 * batch * 1100,
+            relayed_tokens_total=relayed,
+            generation_tokens_total=finished,
+            prompt_tokens_total=(9 if second < 60 else 5) * finished,
+        )
+        mix.observe(young, b.at + second)
+        b.run(est_b, 1, *reference, mix=mix, slots=16 * batch)
+        if second == 59:
+            assert mix.of("n") == mix.current
+    assert abs(mix.of("n").prompt_per_output / 5.0 - 1) < 0.1
 
 
 def test_capacity_follows_the_shape_of_the_work() -> None:
