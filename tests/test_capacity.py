@@ -310,10 +310,11 @@ def test_a_site_that_just_joined_has_the_federations_mix_until_it_is_steady() ->
     est_b = CapacityEstimator.for_site("mi355x", 16, mix, site="b")
     reference = (batch, REFERENCE.context_per_request, batch * REFERENCE.prompt_per_output)
     b.run(est_b, 30, *reference, mix=mix, slots=16 * batch)
-    relayed = finished = 0
+    relayed = finished = prompts = 0
     for second in range(120):
-        relayed += 16 * batch * 40  # what b relays a second, about
-        finished += 16 * batch * 40 // (3 if second < 60 else 1)
+        relayed += 16 * batch * 40  # tokens n relays a second
+        done = 16 * batch * 40 // (3 if second < 60 else 1)  # the output of the answers it finished
+        finished, prompts = finished + done, prompts + (9 if second < 60 else 5) * done
         young = SiteReport(
             "n",
             healthy_workers=16,
@@ -322,7 +323,7 @@ def test_a_site_that_just_joined_has_the_federations_mix_until_it_is_steady() ->
             context_tokens=16 * batch * 1100,
             relayed_tokens_total=relayed,
             generation_tokens_total=finished,
-            prompt_tokens_total=(9 if second < 60 else 5) * finished,
+            prompt_tokens_total=prompts,
         )
         mix.observe(young, b.at + second)
         b.run(est_b, 1, *reference, mix=mix, slots=16 * batch)
