@@ -104,7 +104,9 @@ class WorkloadMix:
         if last is None:
             return
         # A counter lower than before: the agent restarted and counts it from 0.
-        prompt, output, relayed = (total - then if total >= then else total for total, then in zip(totals, last))
+        prompt, output, relayed = (
+            total - then if total >= then else total for total, then in zip(totals, last, strict=True)
+        )
         site = self._sites.setdefault(report.site, _Sums())
         # The KV per running request, from a report that says both: one that runs requests and
         # says no KV (an agent that cannot read it) would make the mix's context 0.
