@@ -85,8 +85,12 @@ def keepalive_options(ping_timeout_s: float = 1.0) -> tuple[tuple[str, int], ...
 # A process with ~20 k open streams holds millions of objects; CPython's default thresholds then
 # run full collections often, each a long pause that stops every thread (heartbeats included;
 # docs/BENCHMARKS.md, "Measured, not declared"). Young collections stay frequent, full ones
-# rare, and what start-up built (modules, the tokenizer) is frozen out of them.
-GC_THRESHOLDS = (50_000, 20, 100)
+# rare, and what start-up built (modules, the tokenizer) is frozen out of them. Generation 1
+# is collected every 2 young collections, not 20: each then traverses at most ~100 k objects
+# where it could traverse a million, which under a drill's CPU contention stopped an emulator
+# for 7-8 s (docs/BENCHMARKS.md, "add-site"). Every object is still traversed once per
+# generation, and full collections come as rarely as before (every 2,000 young ones).
+GC_THRESHOLDS = (50_000, 2, 1000)
 GC_PAUSE_LOGGED_S = 0.2  # a pause this long can make a 1 s heartbeat late: worth a line
 
 
