@@ -11,6 +11,7 @@ fedctl bench [--scenario offline|server] [--json FILE]  throughput and latency (
 fedctl drill SCENARIO [--json FILE] [--png FILE]       a fault under load (fedctl drill -h)
 fedctl ca init | ca issue --site NAME | --role ROLE    the federation's CA and certificates (mutual TLS)
 fedctl keys add NAME [--rpm N] [--tpm N] [--max-concurrent N]   an API key for the gateway, printed once
+fedctl keys list | set NAME --tpm N | revoke NAME      the keys file's (--file) or every region's store's (--redis R=URL)
 fedctl fuzz [--http N] [--grpc N] [--json FILE]        generated hostile requests while valid traffic flows
 """
 
@@ -28,7 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pydantic
@@ -161,16 +162,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     issue.add_argument("--dir", type=Path, default=CA_DIR, help="the CA's directory")
     issue.add_argument("--out", type=Path, default=None, help="where to write it (default: the CA's directory)")
     keys = sub.add_parser("keys", help="the gateway's API keys").add_subparsers(dest="action", required=True)
-    add_key = keys.add_parser("add", help="make a key (printed once; the file keeps its hash) with its limits")
+    add_key = keys.add_parser("add", help="make a key (printed once; only its hash is kept) with its limits")
     add_key.add_argument("name", help="names the key in metrics and logs")
-    add_key.add_argument("--file", type=Path, default=KEYS_FILE, help=f"the keys file (default {KEYS_FILE})")
-    add_key.add_argument("--rpm", type=runtime.positive_int, default=0, help="requests per minute (default: no limit)")
     add_key.add_argument(
-        "--tpm", type=runtime.positive_int, default=0, help="prompt + output tokens per minute (default: no limit)"
+        "--home",
+        default="",
+        help="with --redis: the region whose store holds the key's budget (default: the first given)",
     )
-    add_key.add_argument(
-        "--max-concurrent", type=runtime.positive_int, default=0, help="requests at once (default: no limit)"
-    )
+    set_key = keys.add_parser("set", help="change a key's limits (those given; 0: no limit)")
+    set_key.add_argument("name")
+    for parser, kind in ((add_key, runtime.positive_int), (set_key, runtime.non_negative_int)):
+        default = 0 if parser is add_key else None
+        parser.add_argument("--rpm", type=kind, default=default, help="requests per minute (default: no limit)")
+        parser.add_argument("--tpm", type=kind, default=default, help="prompt + output tokens per minute")
+        parser.add_argument("--max-concurrent", type=kind, default=default, help="requests at once")
+    keys.add_parser("revoke", help="refuse a key from now on (every gateway within a second)").add_argument("name")
+    keys.add_parser("list", help="the keys' names, limits and homes (never the keys)")
+    for parser in keys.choices.values():
+        store = parser.add_mutually_exclusive_group()
+        store.add_argument("--file", type=Path, default=KEYS_FILE, help=f"the keys file (default {KEYS_FILE})")
+        store.add_argument(
+            "--redis",
+            action="append",
+            metavar="REGION=URL",
+            help="a region's quota store (REGION=redis://HOST:PORT/DB), repeatable: every one given is written "
+            "(docs/QUOTAS.md)",
+        )
     given = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
     for command, (module, text) in MEASURES.items():
         measure = sub.add_parser(command, help=text)
@@ -531,19 +548,76 @@ def cmd_ca(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from federation.gateway import keys  # here: the gateway's package, needed by this command only
+    from federation.gateway import keys, keystore  # here: the gateway's package, needed by this command only
 
-    limits = keys.KeyLimits(rpm=args.rpm, tpm=args.tpm, max_concurrent=args.max_concurrent)
     try:
-        key = keys.add(args.file, args.name, limits)
+        if args.redis:
+            return _keys_in_stores(args, keystore.stores(args.redis))
+        return _keys_in_file(args)
     except keys.KeyFileError as exc:
         print(f"fedctl keys: {exc}", file=sys.stderr)
         return 2
-    print(key)
-    print(
-        f"fedctl keys: {args.name} added to {args.file} (only its hash is kept: this is the one time it is shown)",
-        file=sys.stderr,
-    )
+    except keystore.StoreError as exc:
+        print(f"fedctl keys: {exc}", file=sys.stderr)
+        return 1
+
+
+def _limit_changes(args: argparse.Namespace) -> dict[str, int]:
+    changes = {k: v for k, v in (("rpm", args.rpm), ("tpm", args.tpm), ("max_concurrent", args.max_concurrent))}
+    return {k: v for k, v in changes.items() if v is not None}
+
+
+def _print_keys(table: dict[str, Any]) -> None:
+    print(f"{'name':<24} {'rpm':>8} {'tpm':>10} {'concurrent':>10}  home")
+    for name, k in table.items():
+        print(f"{name:<24} {k.rpm:>8} {k.tpm:>10} {k.max_concurrent:>10}  {getattr(k, 'home', '') or '-'}")
+
+
+def _keys_in_file(args: argparse.Namespace) -> int:
+    from federation.gateway import keys
+
+    if args.action == "add":
+        limits = keys.KeyLimits(**_limit_changes(args))
+        print(keys.add(args.file, args.name, limits))
+        print(
+            f"fedctl keys: {args.name} added to {args.file} (only its hash is kept: this is the one time it is shown)",
+            file=sys.stderr,
+        )
+    elif args.action == "list":
+        _print_keys(dict(keys.listed(args.file)))
+    elif args.action == "revoke":
+        keys.revoke(args.file, args.name)
+        print(f"fedctl keys: {args.name} revoked in {args.file}", file=sys.stderr)
+    else:
+        if not _limit_changes(args):
+            print("fedctl keys set: give --rpm, --tpm or --max-concurrent", file=sys.stderr)
+            return 2
+        entry = keys.set_limits(args.file, args.name, _limit_changes(args))
+        _print_keys({args.name: entry})
+    return 0
+
+
+def _keys_in_stores(args: argparse.Namespace, stores: dict[str, Any]) -> int:
+    from federation.gateway import keys, keystore
+
+    if args.action == "add":
+        key = keystore.add(stores, args.name, keys.KeyLimits(**_limit_changes(args)), args.home or next(iter(stores)))
+        print(key)
+        print(
+            f"fedctl keys: {args.name} added to {len(stores)} store(s) (only its hash is kept: this is the one time "
+            "it is shown)",
+            file=sys.stderr,
+        )
+    elif args.action == "list":
+        _print_keys(dict(keystore.listed(stores)))
+    elif args.action == "revoke":
+        keystore.revoke(stores, args.name)
+        print(f"fedctl keys: {args.name} revoked in {len(stores)} store(s)", file=sys.stderr)
+    else:
+        if not _limit_changes(args):
+            print("fedctl keys set: give --rpm, --tpm or --max-concurrent", file=sys.stderr)
+            return 2
+        _print_keys({args.name: keystore.set_limits(stores, args.name, _limit_changes(args))})
     return 0
 
 

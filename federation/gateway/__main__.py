@@ -83,6 +83,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"(default: limits.sqlite in ${metrics.MULTIPROCESS_DIR_ENV} when set, else this process's memory)",
     )
     p.add_argument(
+        "--quota-store",
+        action="append",
+        default=[],
+        metavar="REGION=URL",
+        help="a region's quota store (redis://HOST:PORT/DB), repeatable, this gateway's region's among them: the "
+        "keys (`fedctl keys --redis`) and their limits, held across every gateway of every region "
+        "(docs/QUOTAS.md; instead of --api-keys)",
+    )
+    p.add_argument("--region", default="", help="this gateway's region (its store is --quota-store REGION=URL)")
+    p.add_argument(
         "--admin-port",
         type=int,
         default=None,
@@ -113,12 +123,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.tls = mtls.from_arguments(p, args, GATEWAY)
     args.edge = EdgeLimits(args.idle_timeout_s, args.max_connections_per_address, args.body_timeout_s)
+    args.quota_stores = {}
+    for given in args.quota_store:
+        region, _, url = given.partition("=")
+        if not region or not url.startswith(("redis://", "rediss://", "unix://")):
+            p.error(f"--quota-store {given!r}: expected REGION=redis://HOST:PORT/DB")
+        args.quota_stores[region] = url
+    if args.quota_stores and args.region not in args.quota_stores:
+        p.error(
+            f"--region {args.region!r} has no --quota-store: give --region and --quota-store {args.region or 'R'}=URL"
+        )
+    if args.quota_stores and args.api_keys is not None:
+        p.error("--api-keys and --quota-store: the keys are in one or the other, not both")
     if args.api_keys is not None:
         try:
             Keys(args.api_keys)
         except KeyFileError as exc:
             p.error(str(exc))
-    elif not args.open and not runtime.is_loopback(args.host):
+    elif not args.quota_stores and not args.open and not runtime.is_loopback(args.host):
         p.error(
             f"--host {args.host} serves beyond this machine, and without --api-keys anyone who reaches the port "
             "may use it: give --api-keys FILE (`fedctl keys add`), or --open to serve anyone on purpose"
@@ -147,11 +169,13 @@ async def serve(args: argparse.Namespace) -> int:
         tls=args.tls,
         api_keys=args.api_keys,
         limits_db=args.limits_db,
+        region=args.region,
+        quota_stores=args.quota_stores,
         admin_routes=args.admin_port is None,
         edge=args.edge,
     )
     mtls.warn_if_insecure(args.tls, log)
-    if args.api_keys is None:
+    if args.api_keys is None and not args.quota_stores:
         log.warning("gateway.open", warning=OPEN_WARNING)
     app = build_app(config)
     # Cancel a handler when its client disconnects, so the site's work is aborted too.

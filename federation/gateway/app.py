@@ -14,17 +14,18 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import orjson
+import redis
 import structlog
 from aiohttp import web
 
-from core import wire
+from core import supervise, wire
 from core.errors import BadRequest, FederationError, RequestTimeout, TooBusy, Unauthorized
 from core.gpus import MODEL_CONTEXT_TOKENS
 from core.mtls import INSECURE, Tls
@@ -35,9 +36,11 @@ from federation.gateway.admission import MAX_HELD, Admission
 from federation.gateway.answers import Answer, answer_for, sse
 from federation.gateway.edge import EdgeLimits
 from federation.gateway.failover import FailoverConfig, Generation, SiteBreakers
-from federation.gateway.keys import Keys
-from federation.gateway.limits import Limiter
+from federation.gateway.keys import Keys, KeyTable
+from federation.gateway.keystore import StoreKeys, async_client
+from federation.gateway.limits import KeyLimiter, Limiter
 from federation.gateway.native_info import NativeInfo
+from federation.gateway.quota import RegionQuota
 from federation.gateway.record import Arrival, RequestRecord
 from federation.gateway.responses import Collected, SseClient, WriteBatch
 from federation.gateway.schedulers import Schedulers
@@ -60,6 +63,10 @@ class GatewayConfig:
     tls: Tls = INSECURE  # to the schedulers and the agents
     api_keys: Path | None = None  # None: no key needed (an open endpoint, said loudly at start)
     limits_db: Path | None = None  # where processes sharing the port keep the keys' limits (None: here only)
+    region: str = ""  # this gateway's region: its store among quota_stores
+    # each region's quota store (Redis URL): keys and their limits shared by every gateway of
+    # every region (quota.py; api_keys and limits_db are then unused). Empty: api_keys' file.
+    quota_stores: Mapping[str, str] = field(default_factory=dict)
     admin_routes: bool = True  # /health and /metrics on this listener (else on the admin listener only)
     edge: EdgeLimits = field(default_factory=EdgeLimits)  # what one client connection may hold
 
@@ -70,8 +77,8 @@ SCHEDULERS_KEY = web.AppKey("schedulers", Schedulers)
 ADMISSION_KEY = web.AppKey("admission", Admission)
 BREAKERS_KEY = web.AppKey("breakers", SiteBreakers)
 WRITES_KEY = web.AppKey("writes", WriteBatch)
-KEYS_KEY = web.AppKey("keys", Keys)
-LIMITER_KEY = web.AppKey("limiter", Limiter)
+KEYS_KEY = web.AppKey("keys", KeyTable)
+LIMITER_KEY = web.AppKey("limiter", KeyLimiter)
 HOLDER_KEY = "api_key"  # the request's key: (name, limits)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -184,7 +191,9 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         out,
     )
     arrival = Arrival(request_id, request.path, request.headers, received_unix_s, started)
-    record = RequestRecord(arrival, job, app.get(LIMITER_KEY), request.get(HOLDER_KEY))  # done in `finally`
+    record = await RequestRecord.opened(
+        arrival, job, app.get(LIMITER_KEY), request.get(HOLDER_KEY)
+    )  # done in `finally`
     outcome, error = "error", None
     try:
         response = await _answered(generation, answer, out, started)
@@ -278,7 +287,12 @@ async def health(request: web.Request) -> web.Response:
 def build_app(config: GatewayConfig) -> web.Application:
     app = web.Application(middlewares=[errors_middleware, keys_middleware], client_max_size=64 * 1024**2)
     app[CONFIG_KEY] = config
-    if config.api_keys is not None:
+    if config.quota_stores:
+        table = StoreKeys(async_client(config.quota_stores[config.region]))
+        quota = RegionQuota(config.region, dict(config.quota_stores), table.home)
+        app[KEYS_KEY], app[LIMITER_KEY] = table, quota
+        app.cleanup_ctx.append(partial(_quota_ctx, table, quota))
+    elif config.api_keys is not None:
         app[KEYS_KEY] = Keys(config.api_keys)
         app[LIMITER_KEY] = Limiter(config.limits_db)
 
@@ -310,6 +324,24 @@ def build_app(config: GatewayConfig) -> web.Application:
     if config.admin_routes:
         _admin_routes(app)
     return app
+
+
+async def _quota_ctx(table: StoreKeys, quota: RegionQuota, app: web.Application) -> AsyncIterator[None]:
+    """The keys read from the region's store before the first request (a gateway that knew no
+    key would refuse every one), then kept fresh, and the quota's keeper running."""
+    while True:
+        try:
+            await table.refresh()
+            break
+        except (redis.RedisError, OSError) as exc:
+            log.warning("keys.store_unreachable", error=str(exc), serving="not yet: waiting for the keys")
+            await asyncio.sleep(1.0)
+    refreshing = supervise.restarting("gateway.keys", table.run)
+    quota.start()
+    yield
+    refreshing.cancel()
+    await asyncio.gather(refreshing, return_exceptions=True)
+    await quota.close()
 
 
 def _admin_routes(app: web.Application) -> None:

@@ -17,7 +17,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Protocol
 
 import pydantic
 import structlog
@@ -56,6 +56,14 @@ def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def bearer_digest(authorization: str) -> str | None:
+    """The digest of the key an `Authorization: Bearer KEY` header presents (None: no key of ours)."""
+    scheme, _, key = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not key.startswith(KEY_PREFIX):
+        return None
+    return digest(key.strip())
+
+
 def _read(path: Path) -> _KeysFile:
     try:
         return _KeysFile.model_validate_json(path.read_bytes())
@@ -81,13 +89,46 @@ def add(path: Path, name: str, limits: KeyLimits) -> str:
         updated = _KeysFile.model_validate({"keys": {**stored.keys, name: entry}})
     except pydantic.ValidationError:
         raise KeyFileError(f"{name!r}: a key's name is 1-64 letters, digits, '.', '_' or '-'") from None
+    _save(path, updated)
+    return key
+
+
+def listed(path: Path) -> dict[str, StoredKey]:
+    """Every key of the file, by name (hashes and limits; keys themselves are nowhere)."""
+    return dict(sorted(_read(path).keys.items()))
+
+
+def revoke(path: Path, name: str) -> None:
+    """The key gone from the file: every gateway reading it refuses it within a second."""
+    stored = _read(path)
+    if name not in stored.keys:
+        raise KeyFileError(f"{path}: no key named {name!r}")
+    _save(path, _KeysFile(keys={n: k for n, k in stored.keys.items() if n != name}))
+
+
+def set_limits(path: Path, name: str, changes: dict[str, int]) -> StoredKey:
+    """The key's limits changed (only those named); returns the entry as it now is."""
+    stored = _read(path)
+    if name not in stored.keys:
+        raise KeyFileError(f"{path}: no key named {name!r}")
+    entry = stored.keys[name].model_copy(update=changes)
+    _save(path, _KeysFile(keys={**stored.keys, name: entry}))
+    return entry
+
+
+def _save(path: Path, keys: _KeysFile) -> None:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # `--file keys/federation-keys.json` in a fresh checkout
     temporary = path.with_name(path.name + ".tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(updated.model_dump(), indent=2) + "\n")
+        f.write(json.dumps(keys.model_dump(), indent=2) + "\n")
     os.replace(temporary, path)  # a gateway reading it sees the old file or the new one
-    return key
+
+
+class KeyTable(Protocol):
+    """Where a gateway finds a request's key: this file's `Keys`, or a region's store (`keystore`)."""
+
+    def holder(self, authorization: str) -> tuple[str, KeyLimits] | None: ...
 
 
 class Keys:
@@ -114,10 +155,7 @@ class Keys:
         if now - self._checked_at >= RELOAD_CHECK_S:
             self._checked_at = now
             self._reload_if_changed()
-        scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not key.startswith(KEY_PREFIX):
-            return None
-        return self._by_digest.get(digest(key.strip()))
+        return self._by_digest.get(bearer_digest(authorization) or "")
 
     def _reload_if_changed(self) -> None:
         try:

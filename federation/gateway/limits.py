@@ -19,8 +19,10 @@ import math
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 from core.errors import RateLimited
 from federation.gateway.keys import KeyLimits
@@ -44,6 +46,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
+Release = Callable[[int], None]  # called with a request's output tokens when it ends
+
+
+class KeyLimiter(Protocol):
+    """What a gateway asks of its keys' limits: this file's `Limiter` (the processes of one
+    machine) or `quota.RegionQuota` (every gateway of every region, #45)."""
+
+    async def admit(self, key: str, limits: KeyLimits, prompt_tokens: int) -> Release: ...
+
+
+def over_prompt(limits: KeyLimits, prompt_tokens: int) -> None:
+    """Refuse a prompt bigger than the key's whole minute of tokens: it could never be admitted."""
+    if limits.tpm and prompt_tokens > limits.tpm:
+        raise RateLimited(
+            f"The prompt is {prompt_tokens} tokens; this key may use {limits.tpm} tokens a minute.",
+            retry_after_s=60,
+        )
+
+
 class Limiter:
     def __init__(self, path: Path | None = None) -> None:
         self._db = sqlite3.connect(str(path) if path else ":memory:", timeout=LOCK_WAIT_S, isolation_level=None)
@@ -65,15 +86,17 @@ class Limiter:
             raise
         self._db.execute("COMMIT")
 
-    def admit(self, key: str, limits: KeyLimits, prompt_tokens: int) -> None:
+    async def admit(self, key: str, limits: KeyLimits, prompt_tokens: int) -> Release:
+        """Count a request of `key` starting, or raise RateLimited; returns what to call with its
+        output tokens when it ends."""
+        self.take(key, limits, prompt_tokens)
+        return partial(self.release, key, limits)
+
+    def take(self, key: str, limits: KeyLimits, prompt_tokens: int) -> None:
         """Count a request of `key` starting (`release` it when it ends), or raise RateLimited."""
         if not (limits.rpm or limits.tpm or limits.max_concurrent):
             return
-        if limits.tpm and prompt_tokens > limits.tpm:
-            raise RateLimited(
-                f"The prompt is {prompt_tokens} tokens; this key may use {limits.tpm} tokens a minute.",
-                retry_after_s=60,
-            )
+        over_prompt(limits, prompt_tokens)
         now = time.time()
         with self._transaction() as db:
             waits: list[tuple[str, int, float]] = []

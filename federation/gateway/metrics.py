@@ -88,6 +88,20 @@ REFUSED_KEYS = Counter(
     registry=REGISTRY,
 )
 
+QUOTA_STORE_UP = Gauge(
+    "federation_gateway_quota_store_up",
+    "1 while this region's quota store (Redis) answers; 0: each gateway admits on its own share of a key's limits.",
+    registry=REGISTRY,
+    multiprocess_mode="min",
+)
+QUOTA_LEASES = Counter(
+    "federation_gateway_quota_leases",
+    "Slices of keys' budgets this gateway topped up for its region: outcome=granted (by the key's home), "
+    "self (the home unreachable: the one lease a region grants itself) or refused (that one already out).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+
 REFUSED_CONNECTIONS = Counter(
     "federation_gateway_refused_connections",
     "Connections answered 429 and closed at once: their client address had its cap of open ones.",

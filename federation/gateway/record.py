@@ -16,7 +16,7 @@ from federation.gateway import metrics, spans
 from federation.gateway.answers import Answer
 from federation.gateway.failover import Generation
 from federation.gateway.keys import KeyLimits
-from federation.gateway.limits import Limiter
+from federation.gateway.limits import KeyLimiter, Release
 from federation.gateway.pieces import Job
 
 log = structlog.get_logger("gateway")
@@ -34,25 +34,31 @@ class Arrival:
 
 
 class RequestRecord:
-    """Opens the request's span and holds its key's share of the limits from the start; `done`
+    """Opens the request's span once its key's share of the limits is held (`opened`); `done`
     ends the span, counts the request, gives the key's share back and logs one line."""
 
-    def __init__(
-        self, arrival: Arrival, job: Job, limiter: Limiter | None, holder: tuple[str, KeyLimits] | None
-    ) -> None:
-        """`limiter` and `holder`: the gateway's key limits and the request's key (None: no keys)."""
+    def __init__(self, arrival: Arrival, job: Job, holder: tuple[str, KeyLimits] | None, release: Release | None):
         self.arrival, self.job = arrival, job
-        self._limiter, self._holder = limiter, holder
-        if limiter is not None and holder is not None:
-            try:
-                limiter.admit(*holder, job.request.prompt_tokens)
-            except RateLimited:
-                metrics.REFUSED_KEYS.labels("over_limit", holder[0]).inc()
-                raise
+        self._holder, self._release = holder, release
         self._log = log.bind(request_id=arrival.request_id, kind=job.kind, stream=job.stream, key=self.key_name)
         self._traced = spans.request_started(
             arrival.headers, arrival.path, arrival.request_id, job.kind, arrival.received_unix_s
         )
+
+    @classmethod
+    async def opened(
+        cls, arrival: Arrival, job: Job, limiter: KeyLimiter | None, holder: tuple[str, KeyLimits] | None
+    ) -> RequestRecord:
+        """`limiter` and `holder`: the gateway's key limits and the request's key (None: no keys).
+        Raises RateLimited for a key over its limits."""
+        release = None
+        if limiter is not None and holder is not None:
+            try:
+                release = await limiter.admit(*holder, job.request.prompt_tokens)
+            except RateLimited:
+                metrics.REFUSED_KEYS.labels("over_limit", holder[0]).inc()
+                raise
+        return cls(arrival, job, holder, release)
 
     @property
     def key_name(self) -> str | None:
@@ -83,8 +89,8 @@ class RequestRecord:
                 answer.completion_tokens if outcome == "ok" else 0,
             )
         )
-        if self._limiter is not None and self._holder is not None:
-            self._limiter.release(*self._holder, answer.completion_tokens)
+        if self._release is not None and self._holder is not None:
+            self._release(answer.completion_tokens)
             metrics.key_usage(self._holder[0], outcome, self.job.request.prompt_tokens, answer.completion_tokens)
         self._log.info(
             "request.done",
