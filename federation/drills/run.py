@@ -65,7 +65,7 @@ from federation.bench.client import Result
 from federation.bench.run import bench_config
 from federation.bench.truth import TruthLine, site_truth_tok_s, site_workloads, workload_of
 from federation.bench.workload import MLPERF_LIKE_PROMPTS, LengthDistribution, Sample, WorkloadSpec
-from federation.drills import timeline
+from federation.drills import key_quota, timeline
 from federation.drills.dashboard_marks import DashboardMarks
 from federation.drills.faults import (
     BROWNOUT_FACTOR,
@@ -169,6 +169,7 @@ DEFAULT_SITE = {
     "cpu-starve": "us-mi355x",
 }
 REMOTE_SITE = "kr-mi300x"
+KEY_QUOTA = "key-quota"  # not a site's fault: one key over its limit across regions (key_quota.py)
 DETECTION_TIMEOUT_S = 30.0
 RECOVERY_LEVEL = 0.9
 SETTLE_S = 5.0  # after a heal, the healed site re-registers and is routed to again
@@ -182,6 +183,11 @@ NO_TRUTH = "unknown: --endpoint drills an operator's federation, whose GPUs' tru
 
 
 EPILOG = """\
+key-quota drives one key at 3x its --limit-tpm through 2 regions x 2 gateways, kills the
+second region's quota store (Redis) for a while, then cuts the regions apart for --partition-s;
+its JSON: limit_tokens_per_min, delivered_tokens_per_min_max, overspend_ratio,
+partitioned_overspend_ratio, lease_tokens (docs/QUOTAS.md).
+
 cpu-starve stops the site's agent (SIGSTOP) for --starve-ms of every --starve-period-ms, from
 the fault to the end of the load, and always lets it run again (SIGCONT); its GPUs lose
 nothing. With --endpoint, --inject must start the starving in the background and stop it itself.
@@ -206,7 +212,7 @@ when the schedulers stopped having the site READY (null: never, as it should be)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog, p.formatter_class = EPILOG, argparse.RawDescriptionHelpFormatter
-    p.add_argument("scenario", choices=sorted(SCENARIOS))
+    p.add_argument("scenario", choices=sorted([*SCENARIOS, KEY_QUOTA]))
     p.add_argument(
         "--site", default=None, help="the site hit (default: kr-mi300x; us-mi355x for brownout/loss/cpu-starve)"
     )
@@ -294,6 +300,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a running `fedctl dashboard` (http://127.0.0.1:8070) to mark the fault and its heal on",
     )
+    key_quota.add_arguments(p)
 
 
 def drill_config(args: argparse.Namespace) -> Config:
@@ -306,6 +313,8 @@ def drill_config(args: argparse.Namespace) -> Config:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.scenario == KEY_QUOTA:
+        return key_quota.main(args)
     refused = _refusal(args)
     if refused:
         print(f"fedctl drill: {refused}", file=sys.stderr)
