@@ -83,6 +83,24 @@ def test_every_service_command_parses_with_its_own_certificate(tmp_path: Path) -
     assert services["gateway"]["ports"] == ["8080:8080"]
 
 
+def test_quotas_profile_gateway_parses_and_its_store_is_private(tmp_path: Path) -> None:
+    """The quotas profile's gateway takes its keys from the region's store (its parser accepts
+    the command), and the store asks for a password and is published on the host's loopback only."""
+    _certificates(tmp_path)
+    services = _compose()["services"]
+    gateway, store = services["gateway-quotas"], services["quota-store"]
+    python, dash_m, module, *args = gateway["command"]
+    assert (python, dash_m, module) == ("python", "-m", "federation.gateway")
+    parsed = importlib.import_module("federation.gateway.__main__").parse_args(
+        _mounted(args, gateway["volumes"], tmp_path)
+    )
+    assert parsed.quota_stores == {"us-west-2": "redis://:${QUOTA_STORE_PASSWORD:-}@quota-store:6379/0"}
+    assert parsed.api_keys is None and "--ca" in args
+    assert re.fullmatch(r"redis:\d+\.\d+\.\d+-alpine", store["image"])
+    assert "--requirepass" in store["entrypoint"][-1] and "exit 1" in store["entrypoint"][-1]
+    assert store["ports"] == ["127.0.0.1:6379:6379"]
+
+
 def test_monitoring_profile_is_pinned_read_only_and_private() -> None:
     """Prometheus and Grafana run only with `--profile monitoring`, from official images at a
     pinned version, with every file mounted read-only (and the operator's certificate, not the
@@ -91,8 +109,8 @@ def test_monitoring_profile_is_pinned_read_only_and_private() -> None:
     services = _compose()["services"]
     monitoring = {name: s for name, s in services.items() if s.get("profiles") == ["monitoring"]}
     assert set(monitoring) == {"prometheus", "grafana"}
-    gpu_sites = {name for name, s in services.items() if s.get("profiles") == ["rocm"]}  # tests/test_deploy.py
-    assert set(services) - set(monitoring) - gpu_sites == set(_federation(_compose()))
+    others = {name for name, s in services.items() if s.get("profiles") in (["rocm"], ["quotas"])}  # tested apart
+    assert set(services) - set(monitoring) - others == set(_federation(_compose()))
     assert re.fullmatch(r"prom/prometheus:v\d+\.\d+\.\d+", monitoring["prometheus"]["image"])
     assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", monitoring["grafana"]["image"])
     for name, service in monitoring.items():
@@ -152,3 +170,5 @@ def test_docker_compose_reads_the_file_with_and_without_monitoring() -> None:
     monitored = config("--profile", "monitoring", GRAFANA_ADMIN_PASSWORD="s3cret")["services"]
     assert monitored["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "s3cret"
     assert monitored["grafana"]["ports"] == ["127.0.0.1:3000:3000/tcp"]
+    quotas = config("--profile", "quotas", QUOTA_STORE_PASSWORD="s3cret")["services"]
+    assert "redis://:s3cret@quota-store:6379/0" in " ".join(quotas["gateway-quotas"]["command"])
