@@ -148,9 +148,8 @@ async def test_a_key_homed_elsewhere_is_leased_and_a_cut_off_region_spends_half_
     try:
         assert await _admitted(port, bob, 10) == 10  # slices leased from Korea as they are spent
         level = redis.Redis.from_url(stores["kr"].url).hget("fed:bucket:bob", "r")
-        assert (
-            level is not None and float(level) < 80 - 7
-        )  # the budget is spent at home (a few seconds refilled beside it)
+        # the budget is spent at home (a few seconds refilled beside it)
+        assert level is not None and float(level) < 80 - 7
 
         stores["kr"].kill()  # the home is cut off; wait out the slice's life
         await asyncio.sleep(quota.LEASE_TTL_S + 1)

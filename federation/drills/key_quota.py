@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
-import sys
 import tempfile
 import time
 import urllib.request
@@ -107,18 +105,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The drill with the run's options; returns its report."""
     phases = QUICK if args.quick else FULL
     if args.partition_s is not None:
         phases = Phases(phases.warmup_s, phases.measured_s, phases.store_down_s, args.partition_s, phases.after_s)
     with tempfile.TemporaryDirectory(prefix="key-quota-") as where:
-        report = _drill(args.limit_tpm, phases, args.seed, Path(where))
-    print(json.dumps(report, indent=2))
-    print(summary(report), file=sys.stderr)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
+        return _drill(args.limit_tpm, phases, args.seed, Path(where))
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -268,7 +261,7 @@ def _windows(outcomes: list[Outcome], begin: float, end: float) -> list[float]:
 def _report(
     outcomes: list[Outcome], marks: dict[str, float], limit_tpm: int, phases: Phases, self_leases: float
 ) -> dict[str, Any]:
-    lease_tokens = quota.lease_of(keys.KeyLimits(tpm=limit_tpm))[1]
+    lease_tokens = round(quota.lease_of(keys.KeyLimits(tpm=limit_tpm))[1])
     measured = _windows(outcomes, phases.warmup_s, phases.cut_at)
     partitioned = _windows(outcomes, marks["cut_s"], marks["healed_s"])
     ok = [o for o in outcomes if o.status == 200]

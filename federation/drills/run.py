@@ -314,7 +314,8 @@ def drill_config(args: argparse.Namespace) -> Config:
 
 def main(args: argparse.Namespace) -> int:
     if args.scenario == KEY_QUOTA:
-        return key_quota.main(args)
+        report = key_quota.run(args)
+        return _emit(report, key_quota.summary(report), args.json)
     refused = _refusal(args)
     if refused:
         print(f"fedctl drill: {refused}", file=sys.stderr)
@@ -331,11 +332,16 @@ def main(args: argparse.Namespace) -> int:
     except DrillError as exc:
         print(f"fedctl drill: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, DrillRefused) else 1
+    return _emit(report, summary(report), args.json)
+
+
+def _emit(report: dict[str, Any], text: str, json_path: Path | None) -> int:
+    """The report on stdout (and in `json_path`), its summary on stderr."""
     print(json.dumps(report, indent=2))
-    print(summary(report), file=sys.stderr)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(text, file=sys.stderr)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 
