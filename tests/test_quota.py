@@ -25,6 +25,7 @@ from core.processes import Child, free_port_block, start_python
 from federation.drills.stores import RedisServer
 from federation.embedded import Federation
 from federation.gateway import quota
+from federation.linkproxy import BLACKHOLE_SIGNAL
 from tests.test_federation import MODEL
 
 pytestmark = pytest.mark.skipif(
@@ -223,3 +224,40 @@ def test_fedctl_keys_lists_sets_and_revokes_a_files_keys_and_refuses_bad_input(t
     assert "the store of us" in _fedctl_keys_fails("list", "--redis", f"us=redis://127.0.0.1:{free_port_block(1)}/0")
     assert "expected REGION=redis://" in _fedctl_keys_fails("list", "--redis", "redis://127.0.0.1:6379/0")
     assert "--home 'eu'" in _fedctl_keys_fails("add", "gus", "--home", "eu", "--redis", "us=redis://127.0.0.1:1/0")
+
+
+@pytest.mark.timeout(120)
+async def test_a_client_that_leaves_while_its_keys_share_is_taken_gives_it_back(
+    shared_federation, redis_servers: list[RedisServer]
+) -> None:
+    """The first request of a key homed elsewhere waits for its region's slice; its client
+    leaves meanwhile (the home is blackholed: the lease takes a second to give up and the region
+    grants itself its own). The request's share (here its one running request of
+    max_concurrent 1) is given back, so the next request is admitted."""
+    fed, _ = shared_federation
+    home, here = redis_servers
+    link = start_python(
+        "link to the home store",
+        "federation.linkproxy",
+        ["--listen", "127.0.0.1:0", "--target", f"127.0.0.1:{home.port}", "--rtt-ms", "10"],
+    )
+    stores = {"kr": f"redis://{link.ready['listen']}/0", "us": here.url}
+    dana = _fedctl_keys(
+        "add", "dana", "--rpm", "600", "--max-concurrent", "1", "--home", "kr",
+        *("--redis", f"kr={home.url}", "--redis", f"us={here.url}"),
+    )  # fmt: skip
+    port = free_port_block(1)
+    args = ["--port", str(port), "--model", MODEL, "--region", "us"]
+    args += [a for r, url in stores.items() for a in ("--quota-store", f"{r}={url}")]
+    args += [a for s in fed.config.scheduler_addresses for a in ("--scheduler", s)]
+    gateway = start_python("gateway", "federation.gateway", [*args, *fed.tls_flags(Identity(Role.GATEWAY))])
+    try:
+        os.kill(link.pid, BLACKHOLE_SIGNAL)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):  # the client gives up while the slice is being leased
+                await _ask(port, dana)
+        await asyncio.sleep(quota.HOME_TIMEOUT_S + 1)  # the lease given up, the region's own granted
+        assert await _ask(port, dana) == 2  # max_concurrent 1: admitted only if the first gave its share back
+    finally:
+        gateway.stop()
+        link.stop()

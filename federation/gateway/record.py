@@ -5,6 +5,7 @@ is recorded of it is decided here, beside the path rather than through it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -53,10 +54,14 @@ class RequestRecord:
         Raises RateLimited for a key over its limits."""
         release = None
         if limiter is not None and holder is not None:
+            admitting = asyncio.ensure_future(limiter.admit(*holder, job.request.prompt_tokens))
             try:
-                release = await limiter.admit(*holder, job.request.prompt_tokens)
+                release = await asyncio.shield(admitting)
             except RateLimited:
                 metrics.REFUSED_KEYS.labels("over_limit", holder[0]).inc()
+                raise
+            except asyncio.CancelledError:  # the client left while its key's share was being taken
+                admitting.add_done_callback(_given_back)
                 raise
         return cls(arrival, job, holder, release)
 
@@ -106,3 +111,10 @@ class RequestRecord:
             resumed=generation.resumed,
             latency_ms=round((now - started) * 1000, 1),
         )
+
+
+def _given_back(admitting: asyncio.Future[Release]) -> None:
+    """A share taken for a client that had left: given back at once, as a request that ended
+    with no output."""
+    if not admitting.cancelled() and admitting.exception() is None:
+        admitting.result()(0)
