@@ -24,6 +24,7 @@ from federation.gateway.app import GatewayConfig, build_admin_app, build_app
 from federation.gateway.edge import EdgeLimits, EdgeSite, runner_options
 from federation.gateway.failover import FailoverConfig
 from federation.gateway.keys import KeyFileError, Keys
+from federation.gateway.keystore import region_store
 
 log = structlog.get_logger("gateway")
 OPEN_WARNING = "OPEN ENDPOINT (no --api-keys): anyone who reaches the port may use it, without limits"
@@ -125,9 +126,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.edge = EdgeLimits(args.idle_timeout_s, args.max_connections_per_address, args.body_timeout_s)
     args.quota_stores = {}
     for given in args.quota_store:
-        region, _, url = given.partition("=")
-        if not region or not url.startswith(("redis://", "rediss://", "unix://")):
-            p.error(f"--quota-store {given!r}: expected REGION=redis://HOST:PORT/DB")
+        try:
+            region, url = region_store(given)
+        except ValueError as exc:
+            p.error(f"--quota-store {exc}")
         args.quota_stores[region] = url
     if args.quota_stores and args.region not in args.quota_stores:
         p.error(

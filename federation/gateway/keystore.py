@@ -48,13 +48,22 @@ class StoreError(Exception):
     """A store that could not be reached or read; the message names it."""
 
 
+def region_store(item: str) -> tuple[str, str]:
+    """`REGION=URL` as (region, URL); ValueError naming what was expected."""
+    region, _, url = item.partition("=")
+    if not region or not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"{item!r}: expected REGION=redis://HOST:PORT/DB")
+    return region, url
+
+
 def stores(given: list[str]) -> dict[str, redis.Redis]:
     """`REGION=URL` each, as blocking clients with bounded waits (the operator's commands)."""
     clients = {}
     for item in given:
-        region, _, url = item.partition("=")
-        if not region or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise KeyFileError(f"--redis {item!r}: expected REGION=redis://HOST:PORT/DB")
+        try:
+            region, url = region_store(item)
+        except ValueError as exc:
+            raise KeyFileError(f"--redis {exc}") from None
         clients[region] = redis.Redis.from_url(
             url, socket_timeout=STORE_TIMEOUT_S, socket_connect_timeout=STORE_TIMEOUT_S
         )
