@@ -366,10 +366,7 @@ class RegionQuota:
             if time.monotonic() >= use.mine_until:  # a lapsed slice's credit is void, its debt kept
                 use.mine_requests, use.mine_tokens = min(use.mine_requests, 0.0), min(use.mine_tokens, 0.0)
             if use.mine_requests < need_r or use.mine_tokens < need_t:
-                requests, tokens = lease_of(use.limits)
-                want = (max(0, requests - math.floor(use.mine_requests)), max(0.0, tokens - use.mine_tokens))
-                args = [use.limits.rpm, use.limits.tpm, *want]
-                got = await asyncio.wait_for(self._granting(use.home)(keys=[_bucket(name)], args=args), HOME_TIMEOUT_S)
+                got = await self._from_home(name, use, use.mine_requests, use.mine_tokens)
                 use.mine_requests += float(got[0])
                 use.mine_tokens += float(got[1])
                 use.mine_until = time.monotonic() + LEASE_TTL_S
@@ -439,13 +436,8 @@ class RegionQuota:
         have_r, have_t = (float(raw[0] or 0), float(raw[1] or 0))
         if expired:
             have_r, have_t = min(have_r, 0.0), min(have_t, 0.0)
-        want_r = max(0, requests - math.floor(have_r)) if requests else 0
-        want_t = max(0.0, tokens - have_t) if tokens else 0.0
         try:
-            if use.home not in self._urls:
-                raise redis.ConnectionError(f"no store is known for the key's home region {use.home!r}")
-            grant = self._granting(use.home)
-            got = await grant(keys=[_bucket(name)], args=[use.limits.rpm, use.limits.tpm, want_r, want_t])
+            got = await self._from_home(name, use, have_r, have_t)
         except (redis.RedisError, OSError) as exc:
             use.cut_off = True
             if not (expired or (requests and have_r < 1) or (tokens and have_t <= 0)):
@@ -465,6 +457,17 @@ class RegionQuota:
         metrics.QUOTA_LEASES.labels("granted").inc()
         use.requests, use.tokens = have_r + float(got[0]), have_t + float(got[1])
         use.expires_at = time.monotonic() + LEASE_TTL_S
+
+    async def _from_home(self, name: str, use: _Use, have_r: float, have_t: float) -> list[bytes]:
+        """What the key's home grants a slice holding `have_r` requests and `have_t` tokens, to
+        make it one lease again (its requests and tokens); raises redis' errors or TimeoutError."""
+        if use.home not in self._urls:
+            raise redis.ConnectionError(f"no store is known for the key's home region {use.home!r}")
+        requests, tokens = lease_of(use.limits)
+        want_r = max(0, requests - math.floor(have_r)) if requests else 0
+        want_t = max(0.0, tokens - have_t) if tokens else 0.0
+        args = [use.limits.rpm, use.limits.tpm, want_r, want_t]
+        return await asyncio.wait_for(self._granting(use.home)(keys=[_bucket(name)], args=args), HOME_TIMEOUT_S)
 
     async def _pay_owed(self) -> None:
         """What ended requests owe their slices (output tokens, running counts), in one pipeline."""
