@@ -194,6 +194,11 @@ async def test_one_request_is_one_prefill_pass_and_decode_passes(
     answer = await _generate(http, url, 37, 121)
     assert answer["meta_info"]["completion_tokens"] == 121
     m = await _metrics(http, url)
+    for _ in range(100):  # the idle log point comes at the scheduler's round after the answer
+        if m[("sglang:num_running_reqs", "")] == 0:
+            break
+        await asyncio.sleep(0.05)
+        m = await _metrics(http, url)
     assert m[("sglang:realtime_tokens_total", "prefill_compute")] == 37
     assert m[("sglang:realtime_tokens_total", "decode")] == 120
     assert ("sglang:realtime_tokens_total", "prefill_cache") not in m
