@@ -181,6 +181,27 @@ class CapacityEstimator:
         self.full_site_tok_s = min(self.declared_model_tok_s * ratio, self._bound(FAST_BOUND))
         self.evidence = "probe"
 
+    def carries_over_to(self, fresh: CapacityEstimator) -> bool:
+        """Whether a site registering again (back from a blackhole or partition, or its agent
+        restarted) keeps this estimate rather than `fresh`, its registration's prior or probe:
+        it does when its workers' accounting or saturation has spoken and it declares the same
+        GPUs. Its GPUs did not change by being unreachable, and a fresh estimate would rest on
+        the first seconds back, when the site has only its orphaned streams' aborts and a trickle
+        of new work to show (Korea read 0.54 of its speed after the site-blackhole drill's heal)."""
+        same = (self.profile, self.gpus, self.clock_speed, self.prior_tok_s) == (
+            fresh.profile,
+            fresh.gpus,
+            fresh.clock_speed,
+            fresh.prior_tok_s,
+        )
+        return same and self.evidence in ("accounting", "saturated")
+
+    def rebased(self) -> CapacityEstimator:
+        """This estimate, its evidence kept, for a new registration: the agent's counters (which
+        restart with it) are read afresh from its next report."""
+        self._work, self._agent, self.saturated_for_s, self._changed_for_s = None, None, 0.0, 0.0
+        return self
+
     def observe(self, report: SiteReport, dt_s: float) -> None:
         """Learn from one report covering `dt_s` seconds."""
         healthy, total = report.healthy_workers, report.total_workers

@@ -155,6 +155,8 @@ class Registry:
             raise self.refuse(reg.name, "a site needs at least one GPU and an agent address")
         self.refused.pop(reg.name, None)
         old = self.sites.get(reg.name)
+        if old is not None and old.estimator.carries_over_to(estimator):
+            estimator = old.estimator.rebased()
         # Slow start ramps a site into a federation that is serving; in a fresh one every site
         # is new, and windows would only skew the first traffic away from the capacity shares.
         serving = any(s.outstanding_requests for name, s in self.sites.items() if name != reg.name)

@@ -84,6 +84,29 @@ def test_a_stretch_from_a_read_where_the_worker_ran_nothing_is_left_out() -> Non
     assert done is not None and done.passes == 10 and done.decode_seqs == 2000
 
 
+def test_a_stretch_to_a_read_where_the_worker_ran_nothing_is_left_out() -> None:
+    """A worker whose streams were all aborted (a site back from a blackhole): its last pass is
+    in the stretch, then it idled, and the read shows its idle log point (batch 0) before SGLang
+    published that idle. The stretch would read the idle as a slow pass; it is left out."""
+    meter = WorkMeter()
+    meter.add(START, False)
+    assert meter.add(_later(1.0, decode_passes=1, decode_tokens=144, running_requests=-200), False) is None
+
+
+def test_the_kv_per_sequence_is_the_decode_log_points() -> None:
+    """ΣL is renewed only at a decode log point, the running gauge also at each prefill pass:
+    a batch of 200 with 240,000 tokens of KV that fell to 2 running (a prefill log point) still
+    attends ~1,200 tokens a sequence, not 120,000; a new ΣL with its batch renews it."""
+    meter = WorkMeter()
+    meter.add(START, False)
+    shrunk = _later(1.0, decode_passes=2, prefill_passes=1, decode_tokens=4, running_requests=-198)
+    done = meter.add(shrunk, False)
+    assert done is not None and done.decode_seqs == 4 and abs(done.context_ktokens - 4 * 1.2) < 1e-9
+    renewed = _later(2.0, decode_passes=4, prefill_passes=1, decode_tokens=8, running_requests=-198)
+    done = meter.add(dataclasses.replace(renewed, decode_context_tokens=5_000), False)
+    assert done is not None and abs(done.context_ktokens - 4 * 2.5) < 1e-9
+
+
 def test_a_pass_longer_than_a_read_interval_is_waited_for() -> None:
     """A pass that outlasts a read (a slowed-down emulator's): that read closes nothing, and the
     stretch ends at the read after the pass, with its whole time."""

@@ -6,8 +6,11 @@ reports recorded from real agents over emulated workers)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from core.gpus import PROFILES, GpuProfile
-from core.wire import SiteReport, WorkDone
+from core.settings import SchedulerTimings
+from core.wire import SiteRegistration, SiteReport, WorkDone
 from scheduler.capacity import (
     FAST_BOUND,
     HARD_BOUND,
@@ -16,7 +19,10 @@ from scheduler.capacity import (
     full_batch_tok_s,
     prior_capacity_tok_s,
 )
+from scheduler.registry import Registry
 from scheduler.workload import REFERENCE, Workload, WorkloadMix
+
+MODEL = "openai/gpt-oss-120b"
 
 REPORT_S = 0.25
 
@@ -366,3 +372,23 @@ def test_a_site_that_says_no_kv_cannot_break_the_mix() -> None:
     assert mix.current.context_per_request > 0 and mix.of("blind").context_per_request > 0
     estimator = CapacityEstimator.for_site("mi300x", 8, mix, site="blind")
     assert estimator.workload_factor() > 0
+
+
+def test_a_site_registering_again_keeps_what_its_workers_showed() -> None:
+    """A site back from a blackhole registers again: its estimate stays what its workers showed
+    (its GPUs did not change while it was unreachable) rather than restarting from the prior and
+    resting on its first seconds back. Its agent's counters, which restart with it, are read
+    afresh. A site declaring other GPUs starts from its prior."""
+    registry = Registry(MODEL, SchedulerTimings())
+    declared = SiteRegistration("kr", "r", "mi300x", 16, "kr:1", MODEL)
+    first = registry.register(declared)
+    Site(PROFILES["mi300x"], speed=0.8).run(first.estimator, 30, batch=128)
+    learned = first.estimator.full_site_tok_s
+    assert abs(learned / first.estimator.declared_model_tok_s - 0.8) < 0.02
+    back = registry.register(declared)
+    assert (back.estimator.full_site_tok_s, back.estimator.evidence) == (learned, "accounting")
+    Site(PROFILES["mi300x"], speed=0.8).run(back.estimator, 5, batch=128)  # a restarted agent: counters from 0
+    assert abs(back.estimator.full_site_tok_s / learned - 1) < 0.01
+    rebuilt = registry.register(dataclasses.replace(declared, gpus=8))
+    assert rebuilt.estimator.evidence == "prior"
+    assert rebuilt.estimator.full_site_tok_s == prior_capacity_tok_s("mi300x", 8)

@@ -20,12 +20,19 @@ stalls around a read makes that read useless, not misleading, and the next read 
 stall. A stretch ends only once a pass has ended in it: at a tenth of real speed one pass
 can outlast several reads, and a stretch cut inside it would hold its time but not its work. SGLang records idle time late (at most a second after, at its next event), so a
 stretch in which the worker idled for more than a small part (IDLE_FRACTION) is left out
-rather than read as slow, and so is one that starts at a read where the worker ran nothing
-(its decode batch 0, as SGLang shows an idle scheduler): the idle before its first request may
-be published only after the next read, and the stretch would hold that idle as busy time (a
-site that joined idle read 3.5 times too slow on its first requests; add-site, #40). The
-stretch starts afresh at the next read; a worker that runs no decode batch at all (prompts
-only) gives no stretch, and its site keeps the prior or the probe.
+rather than read as slow, and so is one that starts or ends at a read where the worker ran
+nothing (its decode batch 0, as SGLang shows an idle scheduler): the idle before its first
+request, or after its last, may be published only after the next read, and the stretch would
+hold that idle as busy time (a site that joined idle read 3.5 times too slow on its first
+requests; add-site, #40; a site whose streams were all aborted after a blackhole read 0.66 of
+its speed). The stretch starts afresh at the next read; a worker that runs no decode batch at
+all (prompts only) gives no stretch, and its site keeps the prior or the probe.
+
+The KV a decode pass attends is the batch's ΣL over its size, both from the same decode log
+point (`decode_sum_seq_lens` is renewed only there, every 40 decode passes, while the running
+gauge is renewed at every prefill pass and zeroed when idle). So the per-sequence KV is taken
+when ΣL changes, with the running gauge of that read, and kept until ΣL changes again: ΣL of a
+164-request batch over a gauge that fell to 1 would read one sequence attending 95 k tokens.
 
 Under --enable-mixed-chunk (the emulator's step) a prefill pass also decodes the running
 batch, and SGLang counts none of that decode; those sequences are taken as the batch its
@@ -63,10 +70,18 @@ class WorkMeter:
     def __init__(self) -> None:
         self._last: Accounting | None = None
         self._pass_s = 0.0  # the worker's recent pass, busy seconds per pass (0: none seen yet)
+        self._sum_seq_lens = -1  # the ΣL the per-sequence KV was taken at (-1: none yet)
+        self._per_sequence = 0.0  # KV tokens a decoding sequence attends, as of that ΣL
 
     def reset(self) -> None:
         """The worker restarted: its counters start again from 0."""
-        self._last, self._pass_s = None, 0.0
+        self._last, self._pass_s, self._sum_seq_lens, self._per_sequence = None, 0.0, -1, 0.0
+
+    def _track_per_sequence(self, now: Accounting) -> None:
+        """Renew the per-sequence KV at a read that shows a new decode log point's ΣL."""
+        if now.running_requests > 0 and now.decode_context_tokens != self._sum_seq_lens:
+            self._sum_seq_lens = now.decode_context_tokens
+            self._per_sequence = now.decode_context_tokens / now.running_requests
 
     def add(self, now: Accounting, mixed_chunk: bool) -> WorkDone | None:
         """The work done since the read the stretch starts from, or None when this read closes no
@@ -74,6 +89,7 @@ class WorkMeter:
         read is too old), or from the same earlier read (this one's timing is too uncertain, or
         the worker is still in the middle of a pass)."""
         last = self._last
+        self._track_per_sequence(now)
         if last is None:
             self._last = now
             return None
@@ -87,7 +103,7 @@ class WorkMeter:
         cached = now.cached_tokens - last.cached_tokens
         idle_s = now.idle_s - last.idle_s
         restarted = min(passes, decoded, prefilled, cached, idle_s) < 0  # its counters went back
-        idled = idle_s > IDLE_FRACTION * span_s or last.running_requests <= 0
+        idled = idle_s > IDLE_FRACTION * span_s or min(last.running_requests, now.running_requests) <= 0
         if restarted or span_s > MAX_STRETCH_S or idled:
             self._last = now
             return None
@@ -101,12 +117,11 @@ class WorkMeter:
         sequences = decoded
         if mixed_chunk:
             sequences += (now.prefill_passes - last.prefill_passes) * now.running_requests
-        per_sequence = now.decode_context_tokens / now.running_requests if now.running_requests else 0.0
         return WorkDone(
             busy_s=span_s - idle_s,
             passes=round(passes),
             decode_seqs=sequences,
-            context_ktokens=sequences * per_sequence / 1000.0,
+            context_ktokens=sequences * self._per_sequence / 1000.0,
             prefill_tokens=round(prefilled),
             cached_tokens=round(cached),
         )
