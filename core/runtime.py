@@ -47,6 +47,11 @@ GENERATE_COMMAND_BYTES = 4 * 1024**2
 # more: it decides a message's routes before reading the next, and the receive limit above
 # would let one message hold a million.
 ROUTE_CALLS_PER_MESSAGE = 256
+# A gateway sends a replica at most one RouteStream message per this long: a route asked within
+# it of the last message waits for the rest of it, so that routes asked faster than this go
+# together. A message costs a replica more than the routes in it (at 1,024 sites, issue #44),
+# and a route asked after a quiet spell goes at once.
+ROUTE_GATHER_S = 0.002
 
 # gRPC clients: after a peer was unreachable (a partition, a restart), reconnect within a second
 # of it coming back. grpc-core's default backoff grows to 120 s, so a site healed after a 30-s

@@ -4,12 +4,15 @@ message may ask (against a running federation's scheduler, over mutual TLS, as a
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
 from core import runtime, wire
 from core.pki import Identity, Role
 from federation.embedded import Federation
+from federation.gateway.routestream import RouteStream
 
 KR, US = "kr-mi300x", "us-mi355x"
 
@@ -64,3 +67,37 @@ def test_a_message_asking_more_routes_than_allowed_is_refused(shared_federation)
             list(call)
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details() == f"at most {runtime.ROUTE_CALLS_PER_MESSAGE} routes in one message"
+
+
+@pytest.mark.timeout(60)
+async def test_routes_asked_together_go_in_one_message_and_one_after_a_quiet_spell_goes_at_once(
+    shared_federation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway's routes, with a gather time of 0.5 s (ROUTE_GATHER_S, 2 ms in service) so the
+    test does not race it: the first after a quiet spell is sent at once, alone; two asked soon
+    after it wait for the rest of that time and go together; one asked long after goes at once."""
+    monkeypatch.setattr(runtime, "ROUTE_GATHER_S", 0.5)
+    fed, _ = shared_federation
+    assert fed.ca is not None
+    channel = fed.ca.tls(Identity(Role.GATEWAY)).channel(fed.config.scheduler_addresses[0], Identity(Role.SCHEDULER))
+    routes = RouteStream(wire.SchedulerStub(channel))
+    loop = asyncio.get_running_loop()
+
+    async def timed(number: int) -> float:
+        started = loop.time()
+        decision = await routes.route(_call(number).request, 10.0)
+        assert decision.site in (KR, US)
+        return loop.time() - started
+
+    try:
+        assert await timed(1) < 0.4 and routes.messages_sent == 1
+        second = asyncio.ensure_future(timed(2))
+        await asyncio.sleep(0.1)
+        waited = await asyncio.gather(second, timed(3))
+        assert routes.messages_sent == 2, "the two asked within the gather time went together"
+        assert waited[0] > 0.25 and waited[1] > 0.15
+        await asyncio.sleep(0.6)
+        assert await timed(4) < 0.4 and routes.messages_sent == 3
+    finally:
+        await routes.close()
+        await channel.close()

@@ -3,9 +3,11 @@
 Every request waits for its route before anything else happens to it, and a unary call is the
 dearest way to ask: with grpc.aio a unary round trip costs more time and more CPU across both
 ends than a message each way on a call already open (docs/DATAPATH.md, "Before the first
-token"). So each replica gets one long-lived call: routes go out numbered (those that pile up
-while a message is written go together in the next, up to ROUTE_CALLS_PER_MESSAGE), and their
-answers come back by number.
+token"). So each replica gets one long-lived call: routes go out numbered, and their answers
+come back by number. Messages go at most one per ROUTE_GATHER_S: a route asked sooner after the
+last waits out the rest of that time, and goes with those asked meanwhile (up to
+ROUTE_CALLS_PER_MESSAGE), since a replica pays more for a message than for a route in it; a
+route asked after a quiet spell goes at once.
 
 A route the scheduler cannot decide is answered with the status code Route would have ended
 with; the call goes on. A call that breaks fails every route waiting on it with the call's
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from collections.abc import Sequence
 
 import grpc
@@ -48,6 +51,7 @@ class RouteStream:
         self._wake = asyncio.Event()
         self._call: grpc.aio.StreamStreamCall | None = None
         self._tasks: tuple[asyncio.Task, ...] = ()
+        self.messages_sent = 0  # RouteStream messages written, over every call
 
     async def route(
         self, request: wire.RouteRequest, timeout_s: float, trace_context: Sequence[tuple[str, str]] = ()
@@ -78,14 +82,20 @@ class RouteStream:
         )
 
     async def _write_forever(self, call: grpc.aio.StreamStreamCall) -> None:
+        loop, sent_at = asyncio.get_running_loop(), -math.inf
         try:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
+                gather_s = sent_at + runtime.ROUTE_GATHER_S - loop.time()
+                if gather_s > 0 and self._unsent:
+                    await asyncio.sleep(gather_s)
                 while self._unsent:
                     calls = self._unsent[: runtime.ROUTE_CALLS_PER_MESSAGE]
                     del self._unsent[: runtime.ROUTE_CALLS_PER_MESSAGE]
                     await call.write(wire.route_calls_to_pb(calls))
+                    self.messages_sent += 1
+                    sent_at = loop.time()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # the call ended: its reader says why
         except Exception:  # a bug of ours: the routes waiting go to another replica rather than time out

@@ -86,6 +86,11 @@ class Schedulers:
         self._fresh = asyncio.Event()  # set by each state watched
 
     @property
+    def route_messages_sent(self) -> int:
+        """RouteStream messages written to every replica (each carries one route or more)."""
+        return sum(routes.messages_sent for routes in self._routes)
+
+    @property
     def degraded(self) -> bool:
         """No replica answers: routes come from the last state watched."""
         return self.watching is None and self._watch is not None

@@ -104,6 +104,8 @@ def measure(count: int, args: argparse.Namespace) -> dict[str, Any]:
                     str(args.gateways),
                     "--rate",
                     str(args.routes_per_s),
+                    "--route-gather-ms",
+                    str(args.route_gather_ms),
                     "--watch-sites",
                     watch,
                     "--out",
@@ -312,6 +314,9 @@ def _summary(count, world, args, report, routes, events) -> dict[str, Any]:
         "routes_lost": sum(1 for o in outcome if o == LOST),
         "routes_lost_because": routes["lost_because"],
         "routes_asked": len(outcome),
+        "route_gather_ms": args.route_gather_ms,
+        # RouteStream messages carry the routes asked within ROUTE_GATHER_S of each other together
+        "routes_per_message": round(len(outcome) / routes["route_messages"], 2) if routes["route_messages"] else None,
         "machine_busy": round(report["machine_busy"], 3),
         "process_cpu_cores": report["process_cpu_cores"],  # each process of the run, in the window
         "window_s": round(window_s, 1),

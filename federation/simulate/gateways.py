@@ -174,6 +174,7 @@ class Load:
             "down_seen": self.down_seen,
             "finished": self.delivery.finished,
             "lost_because": self.lost_because,
+            "route_messages": sum(g.route_messages_sent for g in self.gateways),
         }
 
 
@@ -184,12 +185,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tls-dir", type=Path, required=True, help="the run's CA and certificates")
     p.add_argument("--gateways", type=runtime.positive_int, required=True)
     p.add_argument("--rate", type=runtime.positive_float, required=True, help="routes a second, over all gateways")
+    p.add_argument(
+        "--route-gather-ms",
+        type=runtime.non_negative_float,
+        default=runtime.ROUTE_GATHER_S * 1000.0,
+        help="at most one RouteStream message per this long (runtime.ROUTE_GATHER_S)",
+    )
     p.add_argument("--watch-sites", default="", help="sites whose first sight as down is recorded, comma-separated")
     p.add_argument("--out", type=Path, required=True)
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> int:
+    runtime.ROUTE_GATHER_S = args.route_gather_ms / 1000.0
     world = json.loads(args.world.read_text())
     stem = args.tls_dir / GATEWAY.file_stem
     tls = load_tls(args.tls_dir / CA_CERT, stem.with_suffix(".crt"), stem.with_suffix(".key"), GATEWAY)

@@ -20,7 +20,14 @@ from core import runtime
 
 # Each mode's own flags, with their defaults: the other mode refuses them.
 POLICY_FLAGS = {"added": 8, "server_load": 0.8, "dt": 0.1}  # 8: the "8 sites added"
-CONTROL_FLAGS = {"replicas": 2, "gateways": 4, "routes_per_s": 2000.0, "agent_processes": 2, "png": None}
+CONTROL_FLAGS = {
+    "replicas": 2,
+    "gateways": 4,
+    "routes_per_s": 2000.0,
+    "agent_processes": 2,
+    "route_gather_ms": runtime.ROUTE_GATHER_S * 1000.0,
+    "png": None,
+}
 # The flags both share, whose defaults differ: simulated seconds for the policy, real ones for the control plane.
 DEFAULTS = {True: {"warmup_s": 240.0, "window_s": 120.0}, False: {"warmup_s": 10.0, "window_s": 30.0}}
 
@@ -77,6 +84,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     control.add_argument(
         "--agent-processes", type=runtime.positive_int, default=None, help="processes the sites share (2)"
+    )
+    control.add_argument(
+        "--route-gather-ms",
+        type=runtime.non_negative_float,
+        default=None,
+        help=f"a gateway sends a replica at most one RouteStream message per this long "
+        f"(default: the gateway's, {runtime.ROUTE_GATHER_S * 1000:g})",
     )
     control.add_argument("--png", type=Path, default=None, help="draw each measure against the number of sites")
 
