@@ -83,6 +83,15 @@ class Unauthorized(FederationError):
     code = "invalid_api_key"
 
 
+class NotAllowed(FederationError):
+    """The key may not ask for this (HTTP 403: the openai client's PermissionDeniedError), e.g.
+    a service tier above its ceiling."""
+
+    status = 403
+    error_type = "permission_error"
+    code = "not_allowed"
+
+
 class RateLimited(TooBusy):
     """The key is over one of its limits: come back after Retry-After (HTTP 429). Refused before
     any site is asked, so it costs the federation nothing."""

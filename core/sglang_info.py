@@ -72,6 +72,9 @@ class ServerArgs:
     swa_full_tokens_ratio: float = 0.8
     disable_hybrid_swa_memory: bool = False
     enable_mixed_chunk: bool = False
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 from core import prefixes
+from core.tiers import Tier
 from proto import federation_pb2 as pb
 from proto import federation_pb2_grpc as pb_grpc
 
@@ -156,6 +157,7 @@ class RouteRequest:
     exclude_sites: tuple[str, ...] = ()
     dry_run: bool = False  # decide, but do not count the route
     prefix_hashes: tuple[int, ...] = ()  # the prompt's block hashes (core/prefixes.py)
+    tier: Tier = Tier.DEFAULT  # the request's service tier (core/tiers.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +254,7 @@ class GenerateRequest:
     traceparent: str = ""  # the gateway's attempt span, W3C trace context ("": not traced; see the proto)
     resumed_tokens: int = 0  # of the prompt, what a resumed answer said before (see the proto)
     prefix_hashes: tuple[int, ...] = ()  # the prompt's block hashes (core/prefixes.py)
+    tier: Tier = Tier.DEFAULT  # the request's service tier (core/tiers.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,8 +359,22 @@ def command_to_pb(c: SchedulerCommand) -> pb.SchedulerCommand:
     return pb.SchedulerCommand(command=c.command.value, reason=c.reason, report_interval_s=c.report_interval_s)
 
 
+# Service tiers on the wire: the default tier is the proto's 0, what a peer that sends none means.
+_TIER_TO_PB: dict[Tier, pb.ServiceTier] = {
+    Tier.DEFAULT: pb.SERVICE_TIER_DEFAULT,
+    Tier.PRIORITY: pb.SERVICE_TIER_PRIORITY,
+    Tier.FLEX: pb.SERVICE_TIER_FLEX,
+}
+_TIER_FROM_PB: dict[int, Tier] = {value: tier for tier, value in _TIER_TO_PB.items()}
+
+
+def _tier_from_pb(value: int) -> Tier:
+    """A tier this build does not know (a newer peer's) is the default one."""
+    return _TIER_FROM_PB.get(value, Tier.DEFAULT)
+
+
 def route_request_to_pb(r: RouteRequest) -> pb.RouteRequest:
-    return pb.RouteRequest(**_plain(r))
+    return pb.RouteRequest(**{**_plain(r), "tier": _TIER_TO_PB[r.tier]})
 
 
 def decision_to_pb(d: RouteDecision) -> pb.RouteDecision:
@@ -424,6 +441,7 @@ def _generate_request_to_pb(stream: int, r: GenerateRequest) -> pb.GenerateReque
         traceparent=r.traceparent,
         resumed_tokens=r.resumed_tokens,
         prefix_hashes=r.prefix_hashes,
+        tier=_TIER_TO_PB[r.tier],
     )
 
 
@@ -508,6 +526,7 @@ def route_request_from_pb(m: pb.RouteRequest) -> RouteRequest:
         tuple(m.exclude_sites),
         m.dry_run,
         tuple(m.prefix_hashes[: prefixes.MAX_BLOCKS]),
+        _tier_from_pb(m.tier),
     )
 
 
@@ -563,6 +582,7 @@ def generate_command_from_pb(m: pb.GenerateCommand) -> GenerateCommand:
             r.traceparent,
             r.resumed_tokens,
             tuple(r.prefix_hashes[: prefixes.MAX_BLOCKS]),
+            _tier_from_pb(r.tier),
         )
         starts.append((r.stream, request))
     return GenerateCommand(tuple(starts), tuple(m.cancel), tuple(refused))

@@ -40,6 +40,7 @@ from core.gpus import PROFILES
 from core.policy import POLICIES
 from core.processes import PortRangeError, StartFailed, free_port_block, port_range
 from core.settings import describe
+from core.tiers import Tier
 from federation import admin, check, control, status_view, watch
 from federation.throwaway_ca import operator_tls
 
@@ -64,6 +65,7 @@ TOOL_MODULES = ("hypothesis", "matplotlib", "mlperf_loadgen", "sglang_router", "
 
 CA_DIR = Path("federation-ca")  # `fedctl ca`'s directory unless --dir says another
 KEYS_FILE = Path("federation-keys.json")  # `fedctl keys`' file unless --file says another
+TIERS = [t.label for t in Tier]  # the service tiers a key may be given (core/tiers.py)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -176,6 +178,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument("--rpm", type=kind, default=default, help="requests per minute (default: no limit)")
         parser.add_argument("--tpm", type=kind, default=default, help="prompt + output tokens per minute")
         parser.add_argument("--max-concurrent", type=kind, default=default, help="requests at once")
+        parser.add_argument(
+            "--default-tier",
+            choices=TIERS,
+            default=None,
+            help="the service tier of its requests that ask `auto` or none (default: default)",
+        )
+        parser.add_argument(
+            "--max-tier",
+            choices=TIERS,
+            default=None,
+            help="the highest service tier it may ask for (default: default; priority must be allowed)",
+        )
     keys.add_parser("revoke", help="refuse a key from now on (every gateway within a second)").add_argument("name")
     keys.add_parser("list", help="the keys' names, limits and homes (never the keys)")
     for parser in keys.choices.values():
@@ -562,22 +576,24 @@ def cmd_keys(args: argparse.Namespace) -> int:
         return 1
 
 
-def _limit_changes(args: argparse.Namespace) -> dict[str, int]:
-    changes = {k: v for k, v in (("rpm", args.rpm), ("tpm", args.tpm), ("max_concurrent", args.max_concurrent))}
-    return {k: v for k, v in changes.items() if v is not None}
+def _limit_changes(args: argparse.Namespace) -> dict[str, int | str]:
+    names = ("rpm", "tpm", "max_concurrent", "default_tier", "max_tier")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _print_keys(table: dict[str, Any]) -> None:
-    print(f"{'name':<24} {'rpm':>8} {'tpm':>10} {'concurrent':>10}  home")
+    print(f"{'name':<24} {'rpm':>8} {'tpm':>10} {'concurrent':>10}  {'tiers':<18} home")
     for name, k in table.items():
-        print(f"{name:<24} {k.rpm:>8} {k.tpm:>10} {k.max_concurrent:>10}  {getattr(k, 'home', '') or '-'}")
+        tiers = f"{k.default_tier} (<= {k.max_tier})"
+        home = getattr(k, "home", "") or "-"
+        print(f"{name:<24} {k.rpm:>8} {k.tpm:>10} {k.max_concurrent:>10}  {tiers:<18} {home}")
 
 
 def _keys_in_file(args: argparse.Namespace) -> int:
     from federation.gateway import keys
 
     if args.action == "add":
-        limits = keys.KeyLimits(**_limit_changes(args))
+        limits = keys.changed(keys.KeyLimits(), _limit_changes(args))
         print(keys.add(args.file, args.name, limits))
         print(
             f"fedctl keys: {args.name} added to {args.file} (only its hash is kept: this is the one time it is shown)",
@@ -590,7 +606,7 @@ def _keys_in_file(args: argparse.Namespace) -> int:
         print(f"fedctl keys: {args.name} revoked in {args.file}", file=sys.stderr)
     else:
         if not _limit_changes(args):
-            print("fedctl keys set: give --rpm, --tpm or --max-concurrent", file=sys.stderr)
+            print("fedctl keys set: give --rpm, --tpm, --max-concurrent, --default-tier or --max-tier", file=sys.stderr)
             return 2
         entry = keys.set_limits(args.file, args.name, _limit_changes(args))
         _print_keys({args.name: entry})
@@ -601,7 +617,8 @@ def _keys_in_stores(args: argparse.Namespace, stores: dict[str, Any]) -> int:
     from federation.gateway import keys, keystore
 
     if args.action == "add":
-        key = keystore.add(stores, args.name, keys.KeyLimits(**_limit_changes(args)), args.home or next(iter(stores)))
+        limits = keys.changed(keys.KeyLimits(), _limit_changes(args))
+        key = keystore.add(stores, args.name, limits, args.home or next(iter(stores)))
         print(key)
         print(
             f"fedctl keys: {args.name} added to {len(stores)} store(s) (only its hash is kept: this is the one time "
@@ -615,7 +632,7 @@ def _keys_in_stores(args: argparse.Namespace, stores: dict[str, Any]) -> int:
         print(f"fedctl keys: {args.name} revoked in {len(stores)} store(s)", file=sys.stderr)
     else:
         if not _limit_changes(args):
-            print("fedctl keys set: give --rpm, --tpm or --max-concurrent", file=sys.stderr)
+            print("fedctl keys set: give --rpm, --tpm, --max-concurrent, --default-tier or --max-tier", file=sys.stderr)
             return 2
         _print_keys({args.name: keystore.set_limits(stores, args.name, _limit_changes(args))})
     return 0

@@ -23,6 +23,12 @@ class Command(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMMAND_REMOVE: _ClassVar[Command]
     COMMAND_REPORT_EVERY: _ClassVar[Command]
 
+class ServiceTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVICE_TIER_DEFAULT: _ClassVar[ServiceTier]
+    SERVICE_TIER_PRIORITY: _ClassVar[ServiceTier]
+    SERVICE_TIER_FLEX: _ClassVar[ServiceTier]
+
 class StreamError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STREAM_ERROR_NONE: _ClassVar[StreamError]
@@ -39,6 +45,9 @@ COMMAND_DRAIN: Command
 COMMAND_UNDRAIN: Command
 COMMAND_REMOVE: Command
 COMMAND_REPORT_EVERY: Command
+SERVICE_TIER_DEFAULT: ServiceTier
+SERVICE_TIER_PRIORITY: ServiceTier
+SERVICE_TIER_FLEX: ServiceTier
 STREAM_ERROR_NONE: StreamError
 STREAM_ERROR_REJECTED: StreamError
 STREAM_ERROR_WORKER_FAILED: StreamError
@@ -157,7 +166,7 @@ class SchedulerCommand(_message.Message):
     def __init__(self, command: _Optional[_Union[Command, str]] = ..., reason: _Optional[str] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "client_region", "prompt_tokens", "max_tokens", "exclude_sites", "dry_run", "prefix_hashes")
+    __slots__ = ("request_id", "client_region", "prompt_tokens", "max_tokens", "exclude_sites", "dry_run", "prefix_hashes", "tier")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REGION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +174,7 @@ class RouteRequest(_message.Message):
     EXCLUDE_SITES_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     client_region: str
     prompt_tokens: int
@@ -172,7 +182,8 @@ class RouteRequest(_message.Message):
     exclude_sites: _containers.RepeatedScalarFieldContainer[str]
     dry_run: bool
     prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., client_region: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_sites: _Optional[_Iterable[str]] = ..., dry_run: _Optional[bool] = ..., prefix_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier: ServiceTier
+    def __init__(self, request_id: _Optional[str] = ..., client_region: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_sites: _Optional[_Iterable[str]] = ..., dry_run: _Optional[bool] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[ServiceTier, str]] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
     __slots__ = ("site", "agent_address", "expected_delay_s", "reason")
@@ -326,7 +337,7 @@ class SiteRef(_message.Message):
     def __init__(self, site: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "input_ids", "sampling_params_json", "prompt_tokens", "stream", "every_event", "logprobs", "top_logprobs", "traceparent", "resumed_tokens", "prefix_hashes")
+    __slots__ = ("request_id", "text", "input_ids", "sampling_params_json", "prompt_tokens", "stream", "every_event", "logprobs", "top_logprobs", "traceparent", "resumed_tokens", "prefix_hashes", "tier")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +350,7 @@ class GenerateRequest(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -351,7 +363,8 @@ class GenerateRequest(_message.Message):
     traceparent: str
     resumed_tokens: int
     prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., stream: _Optional[int] = ..., every_event: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier: ServiceTier
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., stream: _Optional[int] = ..., every_event: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[ServiceTier, str]] = ...) -> None: ...
 
 class GenerateCommand(_message.Message):
     __slots__ = ("start", "cancel")

@@ -15,6 +15,7 @@ from core import wire
 from core.errors import UpstreamFailed
 from core.processes import free_port_block, start_python
 from core.settings import AgentTimings
+from core.tiers import Tier
 from federation.gateway.upstream import SiteStream, Upstream
 from nodes.agent.pool import HEADROOM_MIN
 from nodes.emulator.launch import launch
@@ -126,3 +127,48 @@ async def test_a_site_that_loses_every_worker_fails_its_queue_at_once() -> None:
         agent.stop()
         emulator.proc.kill()
         emulator.stop()
+
+
+@pytest.mark.timeout(90)
+async def test_requests_waiting_at_the_agent_are_served_by_service_tier() -> None:
+    """One worker running one request at a time, its headroom filled with long default requests:
+    a flex, a default and a priority request then wait at the agent, asked in that order. The
+    priority one is handed the first slot that frees, then the default, then the flex."""
+    emulator = launch(["--profile", "mi355x", "--workers", "1", "--speed", "20", "--max-running-requests", "1"])
+    port = free_port_block(1)
+    agent_args = ["--insecure", "--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "1", "--port", str(port)]
+    agent_args += ["--scheduler", f"127.0.0.1:{free_port_block(1)}", "--worker-url", emulator.urls[0]]
+    agent = start_python("agent", "nodes.agent", agent_args)
+    first_token_order: list[str] = []
+    try:
+        upstream = Upstream()
+
+        async def one(name: str, tokens: int, tier: Tier) -> None:
+            req = wire.GenerateRequest(
+                name, 8, {"max_new_tokens": tokens, "ignore_eos": True}, input_ids=tuple(range(1000, 1008)), tier=tier
+            )
+
+            def deliver(stream: SiteStream, delta: wire.TokenDelta) -> None:
+                if delta.completion_tokens and name not in first_token_order:
+                    first_token_order.append(name)
+
+            stream = upstream.start("s", f"127.0.0.1:{port}", req, deliver)
+            try:
+                async with asyncio.timeout(60):
+                    await stream.done
+            finally:
+                stream.close()
+
+        blockers = [asyncio.ensure_future(one(f"block{i}", 150, Tier.DEFAULT)) for i in range(1 + HEADROOM_MIN)]
+        await asyncio.sleep(1.0)  # the worker holds its running one and its headroom
+        waiting = []
+        for name, tier in (("flex", Tier.FLEX), ("default", Tier.DEFAULT), ("priority", Tier.PRIORITY)):
+            waiting.append(asyncio.ensure_future(one(name, 5, tier)))
+            await asyncio.sleep(0.2)
+        await asyncio.gather(*blockers, *waiting)
+        await upstream.close()
+    finally:
+        agent.stop()
+        emulator.stop()
+    queued = [name for name in first_token_order if not name.startswith("block")]
+    assert queued == ["priority", "default", "flex"], first_token_order

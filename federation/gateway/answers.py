@@ -129,7 +129,13 @@ class _OpenAIAnswer(Answer):
         return self.id_prefix + self.job.request.request_id
 
     def _head(self, kind: str) -> dict[str, Any]:
-        return {"id": self.openai_id, "object": kind, "created": self.created, "model": self.job.model}
+        return {
+            "id": self.openai_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.job.model,
+            "service_tier": self.job.request.tier.label,
+        }
 
     def _finish_reason(self) -> str:
         return openai_finish_reason(self.finish)

@@ -25,7 +25,7 @@ import redis
 import structlog
 from aiohttp import web
 
-from core import supervise, wire
+from core import supervise, tiers, wire
 from core.errors import BadRequest, FederationError, RequestTimeout, TooBusy, Unauthorized
 from core.gpus import MODEL_CONTEXT_TOKENS
 from core.mtls import INSECURE, Tls
@@ -160,8 +160,13 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         context_tokens=config.context_tokens,
     )
     request_id = job.request.request_id  # the client's X-Request-Id or /generate's `rid`, when given
-    if config.policy != PREFIX_AWARE_POLICY:  # a baseline routes blind to caches, at the sites too
-        job = dataclasses.replace(job, request=dataclasses.replace(job.request, prefix_hashes=()))
+    holder = request.get(HOLDER_KEY)
+    tier = holder[1].tier(job.service_tier) if holder else tiers.resolve(job.service_tier)  # no keys: any tier
+    blind = config.policy != PREFIX_AWARE_POLICY  # a baseline routes blind to caches, at the sites too
+    job = dataclasses.replace(
+        job,
+        request=dataclasses.replace(job.request, tier=tier, prefix_hashes=() if blind else job.request.prefix_hashes),
+    )
     answer = answer_for(job)
     route = wire.RouteRequest(
         request_id,
@@ -169,6 +174,7 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         job.max_tokens,
         request.headers.get("X-Client-Region", ""),
         prefix_hashes=job.request.prefix_hashes,  # a resume keeps them: the original prompt's blocks lead its own
+        tier=tier,
     )
 
     def headers() -> dict[str, str]:
@@ -191,9 +197,7 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         out,
     )
     arrival = Arrival(request_id, request.path, request.headers, received_unix_s, started)
-    record = await RequestRecord.opened(
-        arrival, job, app.get(LIMITER_KEY), request.get(HOLDER_KEY)
-    )  # done in `finally`
+    record = await RequestRecord.opened(arrival, job, app.get(LIMITER_KEY), holder)  # done in `finally`
     outcome, error = "error", None
     try:
         response = await _answered(generation, answer, out, started)

@@ -12,7 +12,7 @@ import dataclasses
 from datetime import date
 from typing import Any
 
-from core import prefixes, tokens, wire
+from core import prefixes, tiers, tokens, wire
 from core.errors import BadRequest, ModelNotFound
 from federation.gateway import chat, request_models, responses_api
 from federation.gateway.pieces import Job, JobKind
@@ -62,7 +62,16 @@ def _job(
     asked: int,
 ) -> Job:
     options = req.stream_options or request_models.StreamOptions()
-    return Job(kind, request, asked, req.stream, options.include_usage, req.model, options.continuous_usage_stats)
+    return Job(
+        kind,
+        request,
+        asked,
+        req.stream,
+        options.include_usage,
+        req.model,
+        options.continuous_usage_stats,
+        service_tier=req.service_tier,
+    )
 
 
 def chat_job(body: dict[str, Any], *, request_id: str, served_model: str, context_tokens: int) -> Job:
@@ -183,4 +192,5 @@ def generate_job(body: dict[str, Any], *, request_id: str, served_model: str, co
         top or 0,
         prefix_hashes=prefixes.prefix_hashes(encoded),
     )
-    return Job("generate", request, max_new or 0, req.stream, False, served_model)
+    tier = None if req.priority is None else tiers.from_sglang_priority(req.priority).label
+    return Job("generate", request, max_new or 0, req.stream, False, served_model, service_tier=tier)

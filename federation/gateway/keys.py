@@ -3,7 +3,8 @@
 A key is 32 random bytes (`fed-` and URL-safe base64), shown once when it is made (`fedctl keys
 add`) and stored only as its SHA-256: a key that random needs no slow hash, since no one can
 guess one to match a stolen file. The file (JSON, mode 0600) names each key and its limits:
-requests and tokens per minute and requests at once (0: no limit; see `limits.py`). A gateway
+requests and tokens per minute and requests at once (0: no limit; see `limits.py`), and its
+service tiers: its default and the highest it may ask for (core/tiers.py). A gateway
 re-reads it within a second of a change, so keys added or removed take effect without a
 restart. A client presents its key as the OpenAI client does: `Authorization: Bearer KEY`.
 """
@@ -17,11 +18,14 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Annotated, Protocol
+from typing import Annotated, Protocol, TypeVar
 
 import pydantic
 import structlog
 from pydantic import Field, StrictInt
+
+from core import tiers
+from core.tiers import Tier, TierName
 
 log = structlog.get_logger("gateway")
 
@@ -40,10 +44,27 @@ class KeyLimits(pydantic.BaseModel):
     rpm: Annotated[StrictInt, Field(ge=0)] = 0  # requests per minute
     tpm: Annotated[StrictInt, Field(ge=0)] = 0  # prompt and output tokens per minute
     max_concurrent: Annotated[StrictInt, Field(ge=0)] = 0  # requests at once
+    # Service tiers (core/tiers.py): the one a request asking `auto` (or nothing) gets, and the
+    # highest it may ask for; a key may ask for priority only when allowed.
+    default_tier: TierName = "default"
+    max_tier: TierName = "default"
+
+    @pydantic.model_validator(mode="after")
+    def _default_within_ceiling(self) -> KeyLimits:
+        if Tier.named(self.default_tier) < Tier.named(self.max_tier):
+            raise ValueError(f"default_tier {self.default_tier!r} is above max_tier {self.max_tier!r}")
+        return self
+
+    def tier(self, asked: str | None) -> Tier:
+        """The tier a request of this key asking `asked` is served in (core/tiers.resolve)."""
+        return tiers.resolve(asked, Tier.named(self.default_tier), Tier.named(self.max_tier))
 
 
 class StoredKey(KeyLimits):
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+EntryT = TypeVar("EntryT", bound=KeyLimits)
 
 
 class _KeysFile(pydantic.BaseModel):
@@ -106,12 +127,21 @@ def revoke(path: Path, name: str) -> None:
     _save(path, _KeysFile(keys={n: k for n, k in stored.keys.items() if n != name}))
 
 
-def set_limits(path: Path, name: str, changes: dict[str, int]) -> StoredKey:
+def changed(entry: EntryT, changes: dict[str, int | str]) -> EntryT:
+    """`entry` with `changes`, checked as a new entry would be (a default tier above the ceiling
+    is refused)."""
+    try:
+        return type(entry).model_validate({**entry.model_dump(), **changes})
+    except pydantic.ValidationError as exc:
+        raise KeyFileError(str(exc.errors()[0]["msg"]).removeprefix("Value error, ")) from None
+
+
+def set_limits(path: Path, name: str, changes: dict[str, int | str]) -> StoredKey:
     """The key's limits changed (only those named); returns the entry as it now is."""
     stored = _read(path)
     if name not in stored.keys:
         raise KeyFileError(f"{path}: no key named {name!r}")
-    entry = stored.keys[name].model_copy(update=changes)
+    entry = changed(stored.keys[name], changes)
     _save(path, _KeysFile(keys={**stored.keys, name: entry}))
     return entry
 
@@ -123,6 +153,11 @@ def _save(path: Path, keys: _KeysFile) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(keys.model_dump(), indent=2) + "\n")
     os.replace(temporary, path)  # a gateway reading it sees the old file or the new one
+
+
+def limits_of(entry: StoredKey) -> KeyLimits:
+    """What a gateway serves a key by: its entry less where it is kept."""
+    return KeyLimits(**entry.model_dump(include=set(KeyLimits.model_fields)))
 
 
 class KeyTable(Protocol):
@@ -144,9 +179,7 @@ class Keys:
     def _load(self) -> None:
         mtime_ns = self.path.stat().st_mtime_ns if self.path.exists() else -1
         stored = _read(self.path)
-        self._by_digest = {
-            k.sha256: (name, KeyLimits(**k.model_dump(exclude={"sha256"}))) for name, k in stored.keys.items()
-        }
+        self._by_digest = {k.sha256: (name, limits_of(k)) for name, k in stored.keys.items()}
         self._mtime_ns = mtime_ns
 
     def holder(self, authorization: str) -> tuple[str, KeyLimits] | None:

@@ -26,7 +26,17 @@ import redis
 import redis.asyncio
 import structlog
 
-from federation.gateway.keys import KEY_PREFIX, NAME_PATTERN, KeyFileError, KeyLimits, StoredKey, bearer_digest, digest
+from federation.gateway.keys import (
+    KEY_PREFIX,
+    NAME_PATTERN,
+    KeyFileError,
+    KeyLimits,
+    StoredKey,
+    bearer_digest,
+    changed,
+    digest,
+    limits_of,
+)
 
 log = structlog.get_logger("gateway")
 
@@ -120,9 +130,9 @@ def revoke(stores: dict[str, redis.Redis], name: str) -> None:
     _write_all(stores, name, None)
 
 
-def set_limits(stores: dict[str, redis.Redis], name: str, changes: dict[str, int]) -> StoreKey:
+def set_limits(stores: dict[str, redis.Redis], name: str, changes: dict[str, int | str]) -> StoreKey:
     """The key's limits changed (only those named); returns the entry as it now is."""
-    entry = _entry_in(stores, name).model_copy(update=changes)
+    entry = changed(_entry_in(stores, name), changes)
     _write_all(stores, name, entry)
     return entry
 
@@ -184,7 +194,7 @@ class StoreKeys:
             except pydantic.ValidationError as exc:  # one bad entry (an older writer?) refuses that key only
                 log.warning("keys.bad_entry", key=_text(name), error=str(exc.errors()[0]["msg"]))
                 continue
-            limits = KeyLimits(rpm=entry.rpm, tpm=entry.tpm, max_concurrent=entry.max_concurrent)
+            limits = limits_of(entry)
             by_digest[entry.sha256] = (_text(name), limits)
             homes[_text(name)] = entry.home
         self._by_digest, self._homes, self._version, self.read_ok = by_digest, homes, version, True

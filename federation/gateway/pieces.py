@@ -23,6 +23,7 @@ class Job:
     model: str
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every text chunk
     echo: dict[str, Any] | None = None  # /v1/responses: the request's fields its Response says back
+    service_tier: str | None = None  # as asked ("auto", a tier's name, or None); request.tier is the one used
 
 
 class Chunk(NamedTuple):

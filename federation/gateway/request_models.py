@@ -114,8 +114,9 @@ class StreamOptions(Strict):
 
 class _OpenAIRequest(Strict):
     """The fields chat and completions share: each honoured, refused when its value asks for
-    something not done (`not_honoured`), or informational (user, metadata, service_tier,
-    prompt_cache_key, safety_identifier: nothing in the answer depends on them)."""
+    something not done (`not_honoured`), or informational (user, metadata, prompt_cache_key,
+    safety_identifier: nothing in the answer depends on them). `service_tier` orders the
+    request's waits (core/tiers.py), within its key's ceiling."""
 
     model: str
     stream: bool = False
@@ -141,7 +142,7 @@ class _OpenAIRequest(Strict):
     store: bool | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
-    service_tier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
@@ -275,6 +276,7 @@ class GenerateRequest(BaseModel):
     return_hidden_states: Literal[False] | None = None
     return_routed_experts: Literal[False] | None = None  # bench_serving sends false
     log_metrics: bool | None = None  # the sglang-router sets it; nothing depends on it
+    priority: int | None = None  # SGLang's request priority: it names the service tier (core/tiers.py)
 
 
 M = TypeVar("M", bound=BaseModel)

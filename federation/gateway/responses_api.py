@@ -78,6 +78,7 @@ class _Request(Strict):
     parallel_tool_calls: bool | None = None
     truncation: Literal["disabled"] | None = None
     user: str | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
 
 
 def chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -117,6 +118,7 @@ def chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         ("max_completion_tokens", req.max_output_tokens),
         ("temperature", req.temperature),
         ("top_p", req.top_p),
+        ("service_tier", req.service_tier),
     ):
         if value is not None:
             chat[name] = value
@@ -199,6 +201,7 @@ class ResponseEvents:
             "created_at": answer.created,
             "model": job.model,
             "status": status,
+            "service_tier": job.request.tier.label,
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "output": [_item(item, "completed") for item in answer.items] if status != "in_progress" else [],

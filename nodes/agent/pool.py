@@ -21,7 +21,6 @@ but one that needs nothing from the workers and no prompt text.
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ import structlog
 
 from core.prefixes import BLOCK_TOKENS, PrefixDirectory
 from core.settings import AgentTimings
+from core.tiers import Tier, TieredQueue
 from core.wire import WorkDone
 from nodes.agent import sglang
 from nodes.agent.accounting import WorkMeter
@@ -95,8 +95,8 @@ class WorkerPool:
         self.any_healthy = asyncio.Event()  # set once some worker has passed a health check
         self.session = session
         self.timings = timings  # the site's, shared with whoever calls the workers
-        # Requests waiting for a slot, with their prompts' block hashes.
-        self._waiters: collections.deque[tuple[asyncio.Future[Worker], tuple[int, ...]]] = collections.deque()
+        # Requests waiting for a slot, with their prompts' block hashes, by service tier.
+        self._waiters: TieredQueue[tuple[asyncio.Future[Worker], tuple[int, ...]]] = TieredQueue()
         self.prefixes = PrefixDirectory()  # which worker was sent which prefix blocks (by url)
         self.work = WorkDone()  # what the workers say they did, since the agent started (nodes.agent.accounting)
 
@@ -119,9 +119,10 @@ class WorkerPool:
         """Requests the healthy workers run at once (0: they do not say)."""
         return sum(w.info.max_running_requests or 0 for w in self.workers if w.healthy and w.info)
 
-    async def acquire(self, prefix_hashes: tuple[int, ...] = ()) -> Worker:
+    async def acquire(self, prefix_hashes: tuple[int, ...] = (), tier: Tier = Tier.DEFAULT) -> Worker:
         """A healthy worker with room, reserved for one request (the one likely to hold its prompt's
-        prefix, if any: module docstring); waits in FIFO order for a free slot."""
+        prefix, if any: module docstring); waits for a free slot behind the requests of its own
+        service tier that came before it and those of higher tiers (core/tiers.py)."""
         if not self.healthy_count:
             raise NoHealthyWorker("no healthy worker at this site")
         worker = None if self._waiters else self._pick(prefix_hashes)
@@ -130,14 +131,14 @@ class WorkerPool:
             return worker
         waiter = asyncio.get_running_loop().create_future()
         entry = (waiter, prefix_hashes)
-        self._waiters.append(entry)
+        self._waiters.append(tier, entry)
         try:
             return await waiter
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 self.release(waiter.result())  # handed a slot just as the caller left
-            elif entry in self._waiters:  # _dispatch may have dropped it already
-                self._waiters.remove(entry)
+            else:  # _dispatch may have dropped it already
+                self._waiters.remove(tier, entry)
             raise
 
     def _take(self, worker: Worker, prefix_hashes: tuple[int, ...]) -> None:
@@ -166,8 +167,8 @@ class WorkerPool:
         return holder if held >= CACHE_THRESHOLD else least
 
     def _dispatch(self) -> None:
-        while self._waiters:
-            waiter, prefix_hashes = self._waiters[0]
+        while (head := self._waiters.head()) is not None:
+            waiter, prefix_hashes = head
             worker = self._pick(prefix_hashes)
             if worker is None:
                 return

@@ -19,6 +19,7 @@ import structlog
 
 from core import tracing, unreadable, wire
 from core.authz import UNGUARDED, Guard
+from core.tiers import Tier, sglang_priority
 from core.work import expected_output_tokens
 from nodes.agent import sglang, spans, worker_stream
 from nodes.agent.delivered import DeliveredRate
@@ -178,7 +179,7 @@ class SiteAgentService(wire.SiteAgentServicer):
         outcome = "failed"
         try:
             for attempt in range(1, self.timings.connect_attempts + 1):
-                worker = await self._acquire(expected, req.prefix_hashes)
+                worker = await self._acquire(expected, req.prefix_hashes, req.tier)
                 try:
                     await spans.worker_call(
                         self._relay(req, worker, expected, record), req, self.site, worker.url, record
@@ -228,14 +229,15 @@ class SiteAgentService(wire.SiteAgentServicer):
             self.metrics.completed_prompt_tokens.inc(prompt)
             self.metrics.completed_output_tokens.inc(output)
 
-    async def _acquire(self, expected: int, prefix_hashes: tuple[int, ...] = ()) -> Worker:
+    async def _acquire(self, expected: int, prefix_hashes: tuple[int, ...], tier: Tier) -> Worker:
         """A worker slot for a request expected to produce `expected` tokens, counted in the ledger
-        while it waits and runs; SiteFailed if the site has no healthy worker or no slot in time."""
+        while it waits (in its service tier's place) and runs; SiteFailed if the site has no
+        healthy worker or no slot in time."""
         self.ledger.arrive(expected)
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.timings.first_token_timeout_s):
-                worker = await self.pool.acquire(prefix_hashes)
+                worker = await self.pool.acquire(prefix_hashes, tier)
             self.metrics.queue_wait.observe(time.monotonic() - started)
             return worker
         except BaseException as exc:
@@ -259,6 +261,9 @@ class SiteAgentService(wire.SiteAgentServicer):
             payload["text"] = req.text
         if req.logprobs:  # SGLang's own fields for it, beside sampling_params
             payload["return_logprob"], payload["top_logprobs_num"] = True, req.top_logprobs
+        info = worker.info
+        if info is not None and info.priority_scheduling:  # only then: a worker may abort a request naming one
+            payload["priority"] = sglang_priority(req.tier, info.low_priority_values_first)
         self.ledger.assign(worker, expected)
         held = self._held[record] = _Held(worker, expected)
         record.worker = worker.url

@@ -81,6 +81,11 @@ class WorkerInfo:
     # SGLang's --enable-mixed-chunk: a prefill pass also decodes the running batch, and SGLang
     # counts none of that decode in realtime_tokens_total{mode="decode"}.
     mixed_chunk: bool = False
+    # SGLang's --enable-priority-scheduling, and --schedule-low-priority-values-first: the worker
+    # orders its queue by each request's `priority` (tiers.sglang_priority): higher values first,
+    # or lower ones with the second.
+    priority_scheduling: bool = False
+    low_priority_values_first: bool = False
 
 
 def error_message(body: Any) -> str:
@@ -131,6 +136,8 @@ async def server_info(session: aiohttp.ClientSession, url: str, timeout_s: float
         checkpoint=args.model_path,
         quantization=args.quantization or "",
         mixed_chunk=args.enable_mixed_chunk,
+        priority_scheduling=args.enable_priority_scheduling,
+        low_priority_values_first=args.schedule_low_priority_values_first,
     )
 
 
