@@ -118,6 +118,16 @@ class TieredQueue(Generic[T]):
                 return queue.popleft()
         raise IndexError("pop from an empty TieredQueue")
 
+    def pop_newest_below(self, tier: Tier) -> T | None:
+        """The newest item of the lowest tier below `tier`, taken out (None: none below it): what
+        a full queue gives up for an item of `tier`."""
+        for lower in reversed(Tier):
+            if lower <= tier:
+                return None
+            if self._queues[lower]:
+                return self._queues[lower].pop()
+        return None
+
     def waiting(self, tier: Tier) -> int:
         return len(self._queues[tier])
 

@@ -13,6 +13,8 @@ Held requests do not ask the scheduler again: each time the watched federation s
 that state plus the requests released since (`Schedulers.estimate`); heads that fit now leave
 for a real route, in order (a head that still does not fit holds those behind it until its
 budget is spent: weighing every held request at every state would cost what polling did).
+The queue is served by service tier (core/tiers.py), priority first; a full queue refuses the
+newest request of a lower tier than the one arriving (429, Retry-After) before that one.
 10,000 held requests cost the scheduler nothing while they wait (they used to ask it 20 times
 a second each).
 """
@@ -20,7 +22,6 @@ a second each).
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import math
 import time
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 from core import supervise, wire
 from core.errors import BadRequest, TooBusy
+from core.tiers import TieredQueue
 from federation.gateway.schedulers import Schedulers
 
 BUDGET_HEADER = "X-TTFT-Budget-Ms"
@@ -60,7 +62,7 @@ class Admission:
         self._check_s = schedulers.timings.hold_check_s
         self.schedulers = schedulers
         self.max_held = max_held
-        self._queue: collections.deque[_Held] = collections.deque()
+        self._queue: TieredQueue[_Held] = TieredQueue()  # served by service tier (core/tiers.py)
         self._pump: asyncio.Task[None] | None = None
         self._soonest_s = 0.0  # the head's expected delay when last weighed (for Retry-After)
 
@@ -86,12 +88,17 @@ class Admission:
                 retry_after_s=retry_after,
             )
         if len(self._queue) >= self.max_held:
-            raise TooBusy(
+            full = TooBusy(
                 f"Every site is past its TTFT budget and {self.max_held} requests are already waiting.",
                 retry_after_s=retry_after,
             )
+            given_up = self._queue.pop_newest_below(req.tier)  # a lower tier's is refused before this one
+            if given_up is None:
+                raise full
+            if not given_up.released.done():
+                given_up.released.set_exception(full)
         held = _Held(probe, deadline, asyncio.get_running_loop().create_future())
-        self._queue.append(held)
+        self._queue.append(req.tier, held)
         if self._pump is None or self._pump.done():
             self._pump = supervise.restarting("gateway.admission", self._release_forever)
         try:
@@ -113,8 +120,7 @@ class Admission:
         while self._queue:
             await self.schedulers.state_changed(self._check_s)
             now = time.monotonic()
-            while self._queue:
-                head = self._queue[0]
+            while (head := self._queue.head()) is not None:
                 if head.released.done():  # its budget ran out, or its client left
                     self._queue.popleft()
                     continue
