@@ -53,13 +53,13 @@ def test_a_tiered_queue_serves_each_tier_in_arrival_order_priority_first() -> No
     assert queue.head() == "p1" and queue.waiting(Tier.FLEX) == 2
     assert [queue.popleft() for _ in range(4)] == ["p1", "p2", "f1", "f2"]
     assert not queue and queue.head() is None
+    with pytest.raises(IndexError):
+        queue.popleft()
     for tier, item in ((Tier.FLEX, "f1"), (Tier.FLEX, "f2"), (Tier.DEFAULT, "d1"), (Tier.PRIORITY, "p1")):
         queue.append(tier, item)
     # full: an arriving priority request gives up the newest flex one, then default ones
     assert [queue.pop_newest_below(Tier.PRIORITY) for _ in range(3)] == ["f2", "f1", "d1"]
     assert queue.pop_newest_below(Tier.PRIORITY) is None and queue.pop_newest_below(Tier.FLEX) is None
-    with pytest.raises(IndexError):
-        queue.popleft()
 
 
 def test_sglang_priorities_let_priority_preempt_flex_only_at_sglangs_default_threshold() -> None:
