@@ -18,6 +18,7 @@ from core.settings import AgentTimings
 from core.tiers import Tier
 from federation.gateway.upstream import SiteStream, Upstream
 from nodes.agent.pool import HEADROOM_MIN
+from nodes.emulator import __main__ as emulator_main
 from nodes.emulator.launch import launch
 
 RUNNING_LIMIT = 2
@@ -172,3 +173,72 @@ async def test_requests_waiting_at_the_agent_are_served_by_service_tier() -> Non
         emulator.stop()
     queued = [name for name in first_token_order if not name.startswith("block")]
     assert queued == ["priority", "default", "flex"], first_token_order
+
+
+@pytest.mark.timeout(90)
+async def test_a_worker_with_priority_scheduling_serves_its_queue_by_the_tier_the_agent_sends() -> None:
+    """A worker started with SGLang's --enable-priority-scheduling (and --disable-priority-
+    preemption) runs one request at a time: its server_info says so, and the agent gives each
+    request SGLang's priority for its tier. Asked flex, default, priority while a long one runs
+    (all within the worker's headroom, so queued at the worker), they start priority first."""
+    emulator = launch(
+        [
+            *("--profile", "mi355x", "--workers", "1", "--speed", "20", "--max-running-requests", "1"),
+            *("--enable-priority-scheduling", "--disable-priority-preemption"),
+        ]
+    )
+    port = free_port_block(1)
+    agent_args = ["--insecure", "--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "1", "--port", str(port)]
+    agent_args += ["--scheduler", f"127.0.0.1:{free_port_block(1)}", "--worker-url", emulator.urls[0]]
+    agent = start_python("agent", "nodes.agent", agent_args)
+    first_token_order: list[str] = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(emulator.urls[0] + "/server_info") as resp:
+                assert (await resp.json())["enable_priority_scheduling"] is True
+        upstream = Upstream()
+
+        async def one(name: str, tokens: int, tier: Tier) -> None:
+            req = wire.GenerateRequest(
+                name, 8, {"max_new_tokens": tokens, "ignore_eos": True}, input_ids=tuple(range(1000, 1008)), tier=tier
+            )
+
+            def deliver(stream: SiteStream, delta: wire.TokenDelta) -> None:
+                if delta.completion_tokens and name not in first_token_order:
+                    first_token_order.append(name)
+
+            stream = upstream.start("s", f"127.0.0.1:{port}", req, deliver)
+            try:
+                async with asyncio.timeout(60):
+                    await stream.done
+            finally:
+                stream.close()
+
+        blocker = asyncio.ensure_future(one("block", 150, Tier.DEFAULT))
+        await asyncio.sleep(1.0)
+        waiting = []
+        for name, tier in (("flex", Tier.FLEX), ("default", Tier.DEFAULT), ("priority", Tier.PRIORITY)):
+            waiting.append(asyncio.ensure_future(one(name, 5, tier)))
+            await asyncio.sleep(0.2)
+        await asyncio.gather(blocker, *waiting)
+        await upstream.close()
+    finally:
+        agent.stop()
+        emulator.stop()
+    assert first_token_order == ["block", "priority", "default", "flex"]
+
+
+def test_the_emulator_takes_priority_scheduling_as_sglang_does_and_refuses_what_it_does_not_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parse = emulator_main.parse_args
+    args = parse(["--profile", "mi300x", "--enable-priority-scheduling", "--disable-priority-preemption"])
+    assert args.enable_priority_scheduling and args.schedule_policy == "fcfs"
+    for extra, said in (
+        (["--schedule-policy", "lpm", "--disable-priority-preemption"], "schedule_policy must be 'fcfs' or 'lof'"),
+        ([], "add --disable-priority-preemption"),
+        (["--disable-priority-preemption", "--abort-on-priority-when-disabled"], "not emulated"),
+    ):
+        with pytest.raises(SystemExit):
+            parse(["--profile", "mi300x", "--enable-priority-scheduling", *extra])
+        assert said in capsys.readouterr().err

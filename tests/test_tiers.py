@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
 
 import openai
@@ -15,6 +16,9 @@ from core import wire
 from core.errors import BadRequest, NotAllowed
 from core.tiers import SGLANG_PRIORITY, Tier, TieredQueue, from_sglang_priority, resolve, sglang_priority
 from federation.gateway import keys
+from nodes.emulator.prefix_cache import CacheConfig, PrefixCache, PriorityScheduling
+from nodes.emulator.schedule_policy import order_waiting
+from nodes.emulator.sequence import Sequence
 from tests.test_api_keys import _gateway
 from tests.test_federation import MODEL
 
@@ -153,3 +157,27 @@ async def test_the_openai_client_gets_the_tier_used_and_a_403_above_its_keys_cei
         assert response.service_tier == "flex"
     finally:
         gateway.stop()
+
+
+@pytest.mark.parametrize("low_first", [False, True])
+@pytest.mark.parametrize("policy", ["fcfs", "lof"])
+async def test_the_emulators_queue_is_sorted_as_sglangs_priority_scheduling_sorts_it(policy: str, low_first: bool) -> None:
+    """SGLang's calc_priority under --enable-priority-scheduling: by priority (larger first, or
+    smaller with --schedule-low-priority-values-first), then fcfs by queue entry, lof by the
+    longest max_new_tokens; a request with none has the least favoured priority of all."""
+    config = PriorityScheduling(enabled=True, low_values_first=low_first)
+    cache = PrefixCache(CacheConfig(schedule_policy=policy, priority=config))
+    favoured, other = (0, 20) if low_first else (20, 0)
+    asked = [
+        ("none", None, 0.0, 10),
+        ("other", other, 1.0, 10),
+        ("fav-late", favoured, 3.0, 50),
+        ("fav", favoured, 2.0, 10),
+    ]
+    waiting = deque(
+        Sequence(rid, 8, 8, max_new, 0.0, queue_entry_at=at, priority=config.value_of(p))
+        for rid, p, at, max_new in asked
+    )
+    order_waiting(cache, waiting, refresh=False)
+    favoured_order = ["fav", "fav-late"] if policy == "fcfs" else ["fav-late", "fav"]
+    assert [s.rid for s in waiting] == [*favoured_order, "other", "none"]

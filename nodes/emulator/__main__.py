@@ -29,7 +29,13 @@ import structlog
 
 from core import harmony, runtime, tokens
 from core.gpus import PROFILES
-from nodes.emulator.prefix_cache import SCHEDULE_POLICIES, SWA_FULL_TOKENS_RATIO, CacheConfig
+from nodes.emulator.prefix_cache import (
+    PRIORITY_POLICIES,
+    SCHEDULE_POLICIES,
+    SWA_FULL_TOKENS_RATIO,
+    CacheConfig,
+    PriorityScheduling,
+)
 from nodes.emulator.server import WorkerServer
 from nodes.emulator.worker import Faults, WorkerConfig
 
@@ -109,6 +115,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--radix-eviction-policy", default="lru", help="which cached prefix goes first: lru only (SGLang's default)"
     )
     cache.add_argument(
+        "--enable-priority-scheduling",
+        action="store_true",
+        help="sort the waiting queue by each request's priority (fcfs or lof only; with "
+        "--disable-priority-preemption: preemption is not emulated)",
+    )
+    cache.add_argument("--schedule-low-priority-values-first", action="store_true", help="as SGLang's")
+    cache.add_argument("--default-priority-value", type=int, default=None, help="as SGLang's")
+    cache.add_argument("--disable-priority-preemption", action="store_true", help="as SGLang's")
+    cache.add_argument(
+        "--priority-scheduling-preemption-threshold",
+        type=int,
+        default=10,
+        help="as SGLang's (preemption is not emulated: only its default is taken)",
+    )
+    cache.add_argument(
+        "--abort-on-priority-when-disabled",
+        action="store_true",
+        help="not emulated: refused (SGLang aborts a request naming a priority with 503)",
+    )
+    cache.add_argument(
         "--swa-full-tokens-ratio",
         type=runtime.positive_float,
         default=SWA_FULL_TOKENS_RATIO,
@@ -152,6 +178,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--schedule-policy {args.schedule_policy}: SGLang accepts it, the emulator does not model it; "
             f"use one of {', '.join(SCHEDULE_POLICIES)}"
         )
+    if args.enable_priority_scheduling and args.schedule_policy not in PRIORITY_POLICIES:
+        p.error(  # SGLang's own check, in its words
+            "To use priority scheduling, schedule_policy must be 'fcfs' or 'lof'. "
+            f"'{args.schedule_policy}' is not supported."
+        )
+    if args.enable_priority_scheduling and not args.disable_priority_preemption:
+        p.error(
+            "--enable-priority-scheduling: SGLang also preempts running requests for waiting ones of a higher "
+            "priority; the emulator does not model that: add --disable-priority-preemption"
+        )
+    if args.abort_on_priority_when_disabled or args.priority_scheduling_preemption_threshold != 10:
+        p.error("--abort-on-priority-when-disabled and --priority-scheduling-preemption-threshold are not emulated")
     if args.radix_eviction_policy != "lru":
         p.error(f"--radix-eviction-policy {args.radix_eviction_policy}: only lru (SGLang's default) is emulated")
     if not 0 < args.port <= 65535 - args.workers + 1:
@@ -184,6 +222,11 @@ def worker_configs(args: argparse.Namespace) -> list[WorkerConfig]:
                 page_size=args.page_size or 1,
                 schedule_policy=args.schedule_policy,
                 swa_full_tokens_ratio=args.swa_full_tokens_ratio,
+                priority=PriorityScheduling(
+                    args.enable_priority_scheduling,
+                    args.schedule_low_priority_values_first,
+                    args.default_priority_value,
+                ),
             ),
             enable_cache_report=args.enable_cache_report,
         )

@@ -128,7 +128,7 @@ class Engine:
 
     def submit(self, seq: Sequence) -> None:
         """Queue a request; it is admitted at the next step boundary."""
-        seq.queued_at = self._loop.time()
+        seq.queued_at = seq.queue_entry_at = self._loop.time()
         self.waiting.append(seq)
         self._notify(seq.queued_at)
 
@@ -447,6 +447,7 @@ class Engine:
         self.cache.release(victim, None, 0)
         victim.state = SeqState.WAITING
         victim.retractions += 1
+        victim.queue_entry_at = self.boundary_t
         self.waiting.append(victim)
         self.retractions += 1
 

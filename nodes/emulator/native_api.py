@@ -22,6 +22,7 @@ from nodes.emulator.params import (
     ContractError,
     RequestError,
     check_sampling_contract,
+    request_priority,
 )
 from nodes.emulator.radix_cache import pack_ids
 from nodes.emulator.schedule_policy import WAITING_QUEUE_PREFIX_MATCH_MAX
@@ -104,6 +105,7 @@ def generate_spec(worker: EmulatedWorker, body: dict[str, Any]) -> GenerateSpec:
         extra_key=cache_key_field(body, "extra_key"),
         cache_salt=cache_key_field(body, "cache_salt"),
         top_logprobs=_top_logprobs(body),
+        priority=request_priority(body),
     )
 
 
@@ -265,6 +267,8 @@ def _server_args(worker: EmulatedWorker) -> ServerArgs:
         enable_metrics=True,
         enable_mixed_chunk=True,
         quantization=c.quantization,
+        enable_priority_scheduling=c.cache.priority.enabled,
+        schedule_low_priority_values_first=c.cache.priority.low_values_first,
     )
 
 

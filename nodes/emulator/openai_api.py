@@ -21,6 +21,7 @@ from nodes.emulator.params import (
     BodyError,
     ContractError,
     RequestError,
+    request_priority,
 )
 from nodes.emulator.streaming import EventStream
 from nodes.emulator.web_common import (
@@ -115,6 +116,7 @@ def _spec(worker: EmulatedWorker, body: dict[str, Any], prompt_ids: list[int], d
         cache_ids=prompt_ids,
         extra_key=cache_key_field(body, "extra_key"),
         cache_salt=cache_key_field(body, "cache_salt"),
+        priority=request_priority(body),
     )
 
 

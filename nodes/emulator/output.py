@@ -48,6 +48,7 @@ class GenerateSpec:
     tools: tuple[tuple[str, Any], ...] = ()  # functions a structural_tag lets the model call
     json_schema: dict[str, Any] | None = None  # the constraint on the (final) answer
     top_logprobs: int | None = None  # return_logprob asked: with this many top tokens per position
+    priority: int | None = None  # SGLang's request priority, as asked (None: none)
 
 
 @dataclass(frozen=True, slots=True)

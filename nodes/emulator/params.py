@@ -138,6 +138,22 @@ class Sampling:
     stream_interval: int | None
 
 
+def request_priority(body: dict[str, Any]) -> int | None:
+    """A request's `priority` (GenerateReqInput's, and the OpenAI requests'): SGLang checks the
+    signed 64-bit range (TokenizerManager._set_default_priority), whether or not the server
+    schedules by it."""
+    priority = body.get("priority")
+    if priority is None:
+        return None
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise RequestError(f"priority must be an integer, got {priority!r}")
+    if not -(1 << 63) <= priority < (1 << 63):
+        raise RequestError(
+            "priority must be a signed 64-bit integer between -9223372036854775808 and 9223372036854775807"
+        )
+    return priority
+
+
 def verify_sampling(sp: dict[str, Any], *, default_max_new_tokens: int | None) -> Sampling:
     """SamplingParams.verify(): range checks with SGLang's messages."""
     temperature = sp.get("temperature", 1.0)

@@ -23,6 +23,7 @@ A request whose prompt ids the emulator does not know (empty `ids`) neither matc
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,35 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "lof")  # of SGLang's --schedule-policy choi
 
 
 @dataclass(frozen=True, slots=True)
+class PriorityScheduling:
+    """SGLang 0.5.23's request priority (`--enable-priority-scheduling` and its flags,
+    `arg_groups/fields/schedule.py`): the waiting queue sorted by each request's `priority`,
+    larger first unless `--schedule-low-priority-values-first`."""
+
+    enabled: bool = False
+    low_values_first: bool = False
+    default_value: int | None = None  # --default-priority-value
+
+    def value_of(self, asked: int | None) -> int:
+        """A request's priority in the queue: what it asked, else the server's default, else the
+        least favoured of all (`TokenizerManager._set_default_priority`, then the scheduler's
+        `_set_or_validate_priority`)."""
+        if asked is not None:
+            return asked
+        if self.default_value is not None:
+            return self.default_value
+        return sys.maxsize if self.low_values_first else -sys.maxsize - 1
+
+    @property
+    def sign(self) -> int:
+        """SGLang's priority_sign: a queue sorted by priority × sign serves the favoured first."""
+        return 1 if self.low_values_first else -1
+
+
+PRIORITY_POLICIES = ("fcfs", "lof")  # SGLang allows priority scheduling with these only
+
+
+@dataclass(frozen=True, slots=True)
 class CacheConfig:
     """The server arguments that shape the prefix cache and the admission order."""
 
@@ -46,6 +76,7 @@ class CacheConfig:
     schedule_policy: str = "fcfs"
     sliding_window: int | None = GPT_OSS_SLIDING_WINDOW  # None: a model with FULL attention only
     swa_full_tokens_ratio: float = SWA_FULL_TOKENS_RATIO
+    priority: PriorityScheduling = PriorityScheduling()
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -53,6 +84,11 @@ class CacheConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy {self.schedule_policy!r} is not emulated; use one of {SCHEDULE_POLICIES}"
+            )
+        if self.priority.enabled and self.schedule_policy not in PRIORITY_POLICIES:
+            raise ValueError(  # SGLang's own check (arg_groups/validation_hook.py), in its words
+                "To use priority scheduling, schedule_policy must be 'fcfs' or 'lof'. "
+                f"'{self.schedule_policy}' is not supported."
             )
 
 

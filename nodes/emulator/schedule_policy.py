@@ -12,6 +12,12 @@ start of each scheduling round).
   of them fills the cache for the others (`_compute_prefix_matches`, in-batch prefix caching).
 With the cache disabled, lpm is fcfs and nothing is refreshed.
 
+With --enable-priority-scheduling (fcfs and lof only), the queue is sorted by each request's
+priority first (larger first, unless --schedule-low-priority-values-first): fcfs then by when it
+entered the queue (a retracted request re-enters it when retracted), lof by the longest
+max_new_tokens. Priority preemption of running requests is not emulated: the emulator takes
+priority scheduling only with --disable-priority-preemption.
+
 Then the prefill adder (`PrefillAdder`) takes requests in that order for the next step.
 """
 
@@ -48,7 +54,17 @@ def refresh_block(rounds: int) -> int:
 def order_waiting(cache: PrefixCache, waiting: deque[Sequence], refresh: bool) -> None:
     """Order the queue for a round as the policy does, with its effects on the cache; `refresh`:
     a waiting-prefix refresh falls due in this round (or in a step since the last one)."""
-    policy = cache.config.schedule_policy
+    policy, priority = cache.config.schedule_policy, cache.config.priority
+    if priority.enabled:
+        sign = priority.sign
+        if policy == "lof":
+            _reorder(waiting, sorted(waiting, key=lambda s: (s.priority * sign, -s.max_new_tokens)))
+        else:
+            _reorder(waiting, sorted(waiting, key=lambda s: (s.priority * sign, s.queue_entry_at)))
+        if refresh and cache.enabled:
+            for i in range(min(len(waiting), WAITING_QUEUE_PREFIX_MATCH_MAX) - 1, -1, -1):
+                cache.touch(waiting[i])
+        return
     if not cache.enabled:
         if policy == "lof":
             _reorder(waiting, sorted(waiting, key=lambda s: -s.max_new_tokens))

@@ -36,6 +36,8 @@ class Sequence:
     max_new_tokens: int
     arrived_at: float  # when the request reached the server (TTFT counts from here)
     queued_at: float = 0.0  # when it entered this engine's waiting queue
+    queue_entry_at: float = 0.0  # when it last entered it (a retraction puts it back): priority's fcfs order
+    priority: int = 0  # SGLang's request priority, as the queue sorts it (priority scheduling only)
     streaming: bool = False  # only for metrics labels (SGLang's is_streaming)
     ids: bytes = b""  # the prompt's token ids (radix_cache.pack_ids); empty: not cached
     namespace: bytes = b""  # extra_key and cache_salt: requests share cache only within one

@@ -149,6 +149,7 @@ class EmulatedWorker:
         extra_key: str | None = None,
         cache_salt: str | None = None,
         top_logprobs: int | None = None,
+        priority: int | None = None,
     ) -> GenerateSpec:
         """Verify sampling parameters and lengths as SGLang does (raises RequestError).
         `prompt_ids`, when known: a Harmony chat prompt among them is answered in Harmony.
@@ -175,6 +176,7 @@ class EmulatedWorker:
             streaming=streaming,
             stream_interval=params.stream_interval,
             top_logprobs=top_logprobs,
+            priority=priority,
             prompt_ids=pack_ids(cache_ids) if cache_ids else b"",
             cache_namespace=namespace(extra_key, cache_salt),
             **constraints(sampling, prompt_ids),
@@ -208,6 +210,7 @@ class EmulatedWorker:
             ids=spec.prompt_ids,
             namespace=spec.cache_namespace,
             output_ids=lambda n: pack_ids(plan.token_ids(synth, n)),
+            priority=self.config.cache.priority.value_of(spec.priority),  # ignored unless enabled
         )
         gen = Generation(spec, plan, seq, self)
         self.in_flight[spec.rid] = gen
