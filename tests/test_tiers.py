@@ -9,8 +9,10 @@ import sys
 from collections import deque
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from core import wire
 from core.errors import BadRequest, NotAllowed
@@ -155,13 +157,29 @@ async def test_the_openai_client_gets_the_tier_used_and_a_403_above_its_keys_cei
         async with client(batch) as c:
             response = await c.responses.create(model=MODEL, input="Hi", max_output_tokens=16)
         assert response.service_tier == "flex"
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+            families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
+        done = {
+            (s.labels["tier"], s.labels["outcome"]): s.value
+            for s in families["federation_gateway_tier_requests"].samples
+            if s.name.endswith("_total")
+        }
+        assert done[("priority", "ok")] == 2 and done[("flex", "ok")] == 2 and done[("default", "ok")] == 2
+        firsts = {
+            s.labels["tier"]: s.value
+            for s in families["federation_gateway_tier_ttft_seconds"].samples
+            if s.name.endswith("_count")
+        }
+        assert firsts == {"priority": 2, "default": 2, "flex": 2}
     finally:
         gateway.stop()
 
 
 @pytest.mark.parametrize("low_first", [False, True])
 @pytest.mark.parametrize("policy", ["fcfs", "lof"])
-async def test_the_emulators_queue_is_sorted_as_sglangs_priority_scheduling_sorts_it(policy: str, low_first: bool) -> None:
+async def test_the_emulators_queue_is_sorted_as_sglangs_priority_scheduling_sorts_it(
+    policy: str, low_first: bool
+) -> None:
     """SGLang's calc_priority under --enable-priority-scheduling: by priority (larger first, or
     smaller with --schedule-low-priority-values-first), then fcfs by queue entry, lof by the
     longest max_new_tokens; a request with none has the least favoured priority of all."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from core import supervise, wire
 from core.errors import BadRequest, TooBusy
-from core.tiers import TieredQueue
+from core.tiers import Tier, TieredQueue
 from federation.gateway.schedulers import Schedulers
 
 BUDGET_HEADER = "X-TTFT-Budget-Ms"
@@ -70,6 +70,9 @@ class Admission:
     def held(self) -> int:
         """Requests waiting here for a site that can meet their budget."""
         return len(self._queue)
+
+    def held_by_tier(self) -> dict[str, int]:
+        return {tier.label: self._queue.waiting(tier) for tier in Tier}
 
     async def route(self, req: wire.RouteRequest, budget: float | None) -> wire.RouteDecision:
         if budget is None:

@@ -198,7 +198,7 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
     )
     arrival = Arrival(request_id, request.path, request.headers, received_unix_s, started)
     record = await RequestRecord.opened(arrival, job, app.get(LIMITER_KEY), holder)  # done in `finally`
-    outcome, error = "error", None
+    outcome, error, refused = "error", None, False
     try:
         response = await _answered(generation, answer, out, started)
         outcome, error = ("error", answer.error) if answer.error else ("ok", None)
@@ -207,10 +207,10 @@ async def _serve(request: web.Request, make_job: Callable[..., jobs.Job]) -> web
         outcome = "client_gone"
         raise
     except FederationError as exc:
-        error = exc.message
+        error, refused = exc.message, isinstance(exc, TooBusy)
         raise
     finally:
-        record.done(outcome, error, answer, generation, out.first_chunk_at)
+        record.done(outcome, error, answer, generation, out.first_chunk_at, refused)
 
 
 async def _answered(
@@ -309,7 +309,7 @@ def build_app(config: GatewayConfig) -> web.Application:
         app[ADMISSION_KEY] = admission.Admission(app[SCHEDULERS_KEY], config.max_held)
         app[BREAKERS_KEY] = SiteBreakers(config.timings.circuit_failures, config.timings.circuit_open_s)
         app[WRITES_KEY] = WriteBatch()
-        flushing = metrics.start_flushing(lambda: app[SCHEDULERS_KEY].degraded, lambda: app[ADMISSION_KEY].held)
+        flushing = metrics.start_flushing(lambda: app[SCHEDULERS_KEY].degraded, app[ADMISSION_KEY].held_by_tier)
         yield
         flushing.cancel()
         await asyncio.gather(flushing, return_exceptions=True)

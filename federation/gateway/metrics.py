@@ -129,6 +129,26 @@ TPOT_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2),
     registry=REGISTRY,
 )
+TIER_REQUESTS = Counter(
+    "federation_gateway_tier_requests",
+    "Requests finished, by service tier and outcome (ok, error, refused: 429 with Retry-After, client_gone).",
+    ["tier", "outcome"],
+    registry=REGISTRY,
+)
+TIER_TTFT_SECONDS = Histogram(
+    "federation_gateway_tier_ttft_seconds",
+    "From a request's arrival to its first chunk relayed, by service tier.",
+    ["tier"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+TIER_HELD = Gauge(
+    "federation_gateway_tier_held_requests",
+    "Requests in the latency mode's hold queue, by service tier.",
+    ["tier"],
+    registry=REGISTRY,
+    multiprocess_mode="livesum",
+)
 DEGRADED = Gauge(
     "federation_gateway_degraded",
     "1 while no scheduler replica answers and routes come from the last state watched.",
@@ -165,6 +185,7 @@ class RequestTimes:
     first_site: str
     last_site: str
     output_tokens: int
+    tier: str = "default"  # its service tier's name
 
 
 def observe(t: RequestTimes) -> None:
@@ -172,6 +193,7 @@ def observe(t: RequestTimes) -> None:
         ROUTE_SECONDS.observe(t.routed - t.arrived)
     if t.first_chunk and t.first_site:
         TTFT_SECONDS.labels(t.first_site).observe(t.first_chunk - t.arrived)
+        TIER_TTFT_SECONDS.labels(t.tier).observe(t.first_chunk - t.arrived)
         if t.output_tokens > 1 and t.last_site:
             TPOT_SECONDS.labels(t.last_site).observe((t.ended - t.first_chunk) / (t.output_tokens - 1))
 
@@ -190,20 +212,24 @@ def flush_relayed() -> None:
     RELAYED.clear()
 
 
-def start_flushing(degraded: Callable[[], bool], held: Callable[[], int]) -> asyncio.Task[None]:
+def start_flushing(degraded: Callable[[], bool], held: Callable[[], dict[str, int]]) -> asyncio.Task[None]:
     """`flush_forever`, restarted if it ever raises (core.supervise)."""
     return supervise.restarting("gateway.metrics_flush", lambda: flush_forever(degraded, held))
 
 
-async def flush_forever(degraded: Callable[[], bool], held: Callable[[], int]) -> None:
+async def flush_forever(degraded: Callable[[], bool], held: Callable[[], dict[str, int]]) -> None:
     """The token counts, and the gauges of this process's state, written out twice a second
-    (in multiprocess mode a scrape reads what each process last wrote)."""
+    (in multiprocess mode a scrape reads what each process last wrote). `held`: the hold
+    queue's requests by service tier."""
     cpu = CpuClock()  # made here, on the loop's thread
     while True:
         await asyncio.sleep(FLUSH_INTERVAL_S)
         flush_relayed()
         DEGRADED.set(1 if degraded() else 0)
-        HELD.set(held())
+        by_tier = held()
+        HELD.set(sum(by_tier.values()))
+        for tier, count in by_tier.items():
+            TIER_HELD.labels(tier).set(count)
         for part, seconds in cpu.seconds().items():
             CPU_SECONDS.labels(part).set(seconds)
 
@@ -215,10 +241,11 @@ def process_exiting() -> None:
         multiprocess.mark_process_dead(os.getpid())
 
 
-def request_done(outcome: str, retries: int, resumed: int) -> None:
+def request_done(outcome: str, retries: int, resumed: int, tier: str = "default", refused: bool = False) -> None:
     """A request ended: its tokens are counted now (a scrape right after it sees them all)."""
     flush_relayed()
     REQUESTS.labels(outcome).inc()
+    TIER_REQUESTS.labels(tier, "refused" if refused else outcome).inc()
     if retries:
         RETRIES.inc(retries)
     if resumed:

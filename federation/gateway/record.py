@@ -70,9 +70,17 @@ class RequestRecord:
         return self._holder[0] if self._holder else None
 
     def done(
-        self, outcome: str, error: str | None, answer: Answer, generation: Generation, first_chunk_at: float | None
+        self,
+        outcome: str,
+        error: str | None,
+        answer: Answer,
+        generation: Generation,
+        first_chunk_at: float | None,
+        refused: bool = False,
     ) -> None:
+        """`refused`: the error was a 429 with Retry-After (no site could take it in time)."""
         started, now = self.arrival.started, time.monotonic()
+        tier = self.job.request.tier.label
         spans.request_done(
             self._traced,
             outcome,
@@ -82,7 +90,7 @@ class RequestRecord:
             resumed=generation.resumed,
             output_tokens=answer.completion_tokens,
         )
-        metrics.request_done(outcome, generation.retries, generation.resumed)
+        metrics.request_done(outcome, generation.retries, generation.resumed, tier, refused)
         metrics.observe(
             metrics.RequestTimes(
                 started,
@@ -92,6 +100,7 @@ class RequestRecord:
                 generation.sites[0] if generation.sites else "",
                 answer.site,
                 answer.completion_tokens if outcome == "ok" else 0,
+                tier,
             )
         )
         if self._release is not None and self._holder is not None:
@@ -103,6 +112,7 @@ class RequestRecord:
             sites=generation.sites,
             outcome=outcome,
             error=error,
+            tier=tier,
             ttft_ms=(first_chunk_at - started) * 1000 if first_chunk_at else None,
             route_ms=(generation.routed_at - started) * 1000 if generation.routed_at else None,  # arrival to route
             output_tokens=answer.completion_tokens,

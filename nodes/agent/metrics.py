@@ -37,6 +37,13 @@ class _StateCollector(Collector):
         rate.add_metric([site], delivered.last_rate)
         depth = GaugeMetricFamily("federation_agent_queue_depth", "Requests waiting for a worker.", labels=["site"])
         depth.add_metric([site], pool.waiting)
+        by_tier = GaugeMetricFamily(
+            "federation_agent_tier_queue_depth",
+            "Requests waiting for a worker, by service tier (served priority first).",
+            labels=["site", "tier"],
+        )
+        for tier, count in pool.waiting_by_tier().items():
+            by_tier.add_metric([site, tier], count)
         workers = GaugeMetricFamily(
             "federation_agent_workers",
             "The site's workers: health=healthy, loading (launched, not up yet) or total.",
@@ -52,7 +59,7 @@ class _StateCollector(Collector):
         )
         for worker in pool.workers:
             each.add_metric([site, worker.url], 1.0 if worker.healthy else 0.0)
-        yield from (relayed, rate, depth, workers, each)
+        yield from (relayed, rate, depth, by_tier, workers, each)
 
 
 class AgentMetrics:

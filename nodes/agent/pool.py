@@ -109,6 +109,9 @@ class WorkerPool:
         """Requests queued at the agent for a free worker slot."""
         return len(self._waiters)
 
+    def waiting_by_tier(self) -> dict[str, int]:
+        return {tier.label: self._waiters.waiting(tier) for tier in Tier}
+
     @property
     def accounting_count(self) -> int:
         """Healthy workers whose /metrics carry their own accounting of their work."""
