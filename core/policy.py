@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from core.tiers import Tier
 from core.wire import RouteDecision, RouteRequest
 from core.work import expected_output_tokens
 
@@ -82,13 +83,16 @@ def least_expected_delay(sites: Sequence[SiteLoad], req: RouteRequest, ctx: Rout
     Sites with free slots fill in proportion to their slots; once all are full, queues grow in
     proportion to capacity — every site saturated, none with an idle slot while another has a
     queue. A site in slow start offers only the slots
-    it has proven (`window`): beyond them, its requests count as waiting. None when no site
-    can take it."""
+    it has proven (`window`): beyond them, its requests count as waiting. A flex request
+    (core/tiers.py) counts no WAN round trip: it goes where capacity is spare, in any region,
+    leaving the near sites' room to the interactive work a round trip matters to. None when no
+    site can take it."""
     work = expected_output_tokens(req.max_tokens)
+    counts_wan = bool(req.client_region) and req.tier is not Tier.FLEX  # flex: spare capacity, any region
 
     def delay(s: SiteLoad) -> float:
         """Seconds until this request's first token there: queue, WAN, prefill."""
-        wan = ctx.rtt_s.get((req.client_region, s.region), 0.0) if req.client_region else 0.0
+        wan = ctx.rtt_s.get((req.client_region, s.region), 0.0) if counts_wan else 0.0
         prefill = max(0, req.prompt_tokens - ctx.cached_tokens.get(s.site, 0)) * s.prefill_s_per_token
         if s.slots <= 0:  # the site does not say how many it runs: all its work counts as queued
             return (s.outstanding_tokens + work) / s.capacity_tok_s + wan + prefill

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from core.policy import FILL_PENALTY_S, HIT_FILL_MARGIN, MIN_HIT_TOKENS, RouteContext, SiteLoad
+from core.tiers import Tier
 from core.wire import RouteDecision, RouteRequest
 from core.work import expected_output_tokens
 
@@ -115,7 +116,7 @@ def least_expected_delay_columns(columns: SiteColumns, req: RouteRequest, ctx: R
         if row is not None:
             cached[row] = tokens
     with np.errstate(divide="ignore", invalid="ignore"):  # rows that are no candidates may divide by 0
-        wan = columns.wan(req.client_region, ctx.rtt_s)
+        wan = columns.wan(req.client_region if req.tier is not Tier.FLEX else "", ctx.rtt_s)  # flex: any region
         prefill = np.maximum(0, req.prompt_tokens - cached) * prefill_rate
         open_slots = np.where(window != 0, np.minimum(slots, window), slots)
         waiting = np.maximum(0, orq + 1 - open_slots)

@@ -13,6 +13,7 @@ from core.policy import (
     static_weights,
 )
 from core.settings import SchedulerTimings
+from core.tiers import Tier
 from core.wire import RouteRequest, SiteRegistration, SiteReport, SiteStatus
 from scheduler.registry import RegistrationRefused, Registry
 
@@ -44,6 +45,16 @@ def test_client_region_adds_the_wan_round_trip() -> None:
     req = _req(max_tokens=500, client_region="ap-northeast-2")
     assert least_expected_delay([KR, slightly_busy_us], req, RTT).site == "kr"
     assert least_expected_delay([KR, slightly_busy_us], _req(max_tokens=500), RTT).site == "us"
+
+
+def test_a_flex_request_goes_where_capacity_is_spare_in_any_region() -> None:
+    """The same Korean client's request at the flex tier counts no round trip: it goes to the US
+    site that would start it sooner, leaving Korea's room to interactive work; priority and
+    default ones stay near."""
+    slightly_busy_us = SiteLoad("us", "us-west-2", "us:1", 226_000, outstanding_tokens=1_000)
+    for tier, site in ((Tier.FLEX, "us"), (Tier.DEFAULT, "kr"), (Tier.PRIORITY, "kr")):
+        req = _req(max_tokens=500, client_region="ap-northeast-2", tier=tier)
+        assert least_expected_delay([KR, slightly_busy_us], req, RTT).site == site, tier
 
 
 def test_excluded_and_empty() -> None:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from core.policy import RouteContext, SiteLoad, least_expected_delay
 from core.policy_columns import SiteColumns, least_expected_delay_columns
+from core.tiers import Tier
 from core.wire import RouteRequest
 
 REGIONS = ("kr", "us", "eu")
@@ -46,9 +47,10 @@ def sites(draw) -> list[tuple[SiteLoad, bool]]:
     client=st.sampled_from(["", "kr", "us", "eu", "mars"]),
     prompt=st.integers(0, 8192),
     max_tokens=st.sampled_from([0, 1, 200, 1278, 20_000]),
+    tier=st.sampled_from(list(Tier)),
     data=st.data(),
 )
-def test_the_columns_decide_exactly_as_the_loop(federation, client, prompt, max_tokens, data) -> None:
+def test_the_columns_decide_exactly_as_the_loop(federation, client, prompt, max_tokens, tier, data) -> None:
     columns = SiteColumns()
     for load, _ in federation:
         columns.put(load.site, load)  # every site has a row in the order it first came ...
@@ -59,7 +61,7 @@ def test_the_columns_decide_exactly_as_the_loop(federation, client, prompt, max_
     names = [load.site for load, _ in federation]
     excluded = tuple(data.draw(st.lists(st.sampled_from(names), max_size=3, unique=True)))
     cached = data.draw(st.dictionaries(st.sampled_from(names), st.sampled_from([0, 64, 192, 256, 1024, 8192])))
-    req = RouteRequest("r", prompt, max_tokens, client_region=client, exclude_sites=excluded)
+    req = RouteRequest("r", prompt, max_tokens, client_region=client, exclude_sites=excluded, tier=tier)
     ctx = RouteContext(RTT, 0, cached)
     assert least_expected_delay_columns(columns, req, ctx) == least_expected_delay(routable_loads, req, ctx)
 
