@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+from collections.abc import Callable
 
 import aiohttp
 import pytest
@@ -24,6 +25,18 @@ from nodes.emulator.launch import launch
 RUNNING_LIMIT = 2
 REQUESTS = 24
 QUICK_CHECKS = {"health_interval_s": 0.5, "health_timeout_s": 1.0}  # hung workers given up in ~3 s, not ~12
+
+
+async def _streamed(
+    upstream: Upstream, port: int, req: wire.GenerateRequest, deliver: Callable[[SiteStream, wire.TokenDelta], None]
+) -> None:
+    """`req` streamed from the agent at `port` (site "s") to its end, each delta to `deliver`."""
+    stream = upstream.start("s", f"127.0.0.1:{port}", req, deliver)
+    try:
+        async with asyncio.timeout(60):
+            await stream.done
+    finally:
+        stream.close()
 
 
 @pytest.mark.timeout(90)
@@ -55,12 +68,7 @@ async def test_requests_beyond_the_workers_limits_wait_at_the_agent_and_all_comp
                     nonlocal tokens
                     tokens = delta.completion_tokens
 
-                stream = upstream.start("s", f"127.0.0.1:{port}", req, deliver)
-                try:
-                    async with asyncio.timeout(60):
-                        await stream.done
-                finally:
-                    stream.close()
+                await _streamed(upstream, port, req, deliver)
                 return tokens
 
             async def watch() -> None:
@@ -130,72 +138,22 @@ async def test_a_site_that_loses_every_worker_fails_its_queue_at_once() -> None:
         emulator.stop()
 
 
-@pytest.mark.timeout(90)
-async def test_requests_waiting_at_the_agent_are_served_by_service_tier() -> None:
-    """One worker running one request at a time, its headroom filled with long default requests:
-    a flex, a default and a priority request then wait at the agent, asked in that order. The
-    priority one is handed the first slot that frees, then the default, then the flex."""
-    emulator = launch(["--profile", "mi355x", "--workers", "1", "--speed", "20", "--max-running-requests", "1"])
-    port = free_port_block(1)
-    agent_args = ["--insecure", "--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "1", "--port", str(port)]
-    agent_args += ["--scheduler", f"127.0.0.1:{free_port_block(1)}", "--worker-url", emulator.urls[0]]
-    agent = start_python("agent", "nodes.agent", agent_args)
-    first_token_order: list[str] = []
-    try:
-        upstream = Upstream()
-
-        async def one(name: str, tokens: int, tier: Tier) -> None:
-            req = wire.GenerateRequest(
-                name, 8, {"max_new_tokens": tokens, "ignore_eos": True}, input_ids=tuple(range(1000, 1008)), tier=tier
-            )
-
-            def deliver(stream: SiteStream, delta: wire.TokenDelta) -> None:
-                if delta.completion_tokens and name not in first_token_order:
-                    first_token_order.append(name)
-
-            stream = upstream.start("s", f"127.0.0.1:{port}", req, deliver)
-            try:
-                async with asyncio.timeout(60):
-                    await stream.done
-            finally:
-                stream.close()
-
-        blockers = [asyncio.ensure_future(one(f"block{i}", 150, Tier.DEFAULT)) for i in range(1 + HEADROOM_MIN)]
-        await asyncio.sleep(1.0)  # the worker holds its running one and its headroom
-        waiting = []
-        for name, tier in (("flex", Tier.FLEX), ("default", Tier.DEFAULT), ("priority", Tier.PRIORITY)):
-            waiting.append(asyncio.ensure_future(one(name, 5, tier)))
-            await asyncio.sleep(0.2)
-        await asyncio.gather(*blockers, *waiting)
-        await upstream.close()
-    finally:
-        agent.stop()
-        emulator.stop()
-    queued = [name for name in first_token_order if not name.startswith("block")]
-    assert queued == ["priority", "default", "flex"], first_token_order
-
-
-@pytest.mark.timeout(90)
-async def test_a_worker_with_priority_scheduling_serves_its_queue_by_the_tier_the_agent_sends() -> None:
-    """A worker started with SGLang's --enable-priority-scheduling (and --disable-priority-
-    preemption) runs one request at a time: its server_info says so, and the agent gives each
-    request SGLang's priority for its tier. Asked flex, default, priority while a long one runs
-    (all within the worker's headroom, so queued at the worker), they start priority first."""
+async def _first_tokens_by_tier(priority_scheduling: bool, blockers: int) -> list[str]:
+    """One worker running one request at a time (with SGLang's priority scheduling, or not)
+    behind an agent: `blockers` long default requests, then a flex, a default and a priority
+    one asked in that order; the order in which their first tokens came."""
+    scheduling = ["--enable-priority-scheduling", "--disable-priority-preemption"] if priority_scheduling else []
     emulator = launch(
-        [
-            *("--profile", "mi355x", "--workers", "1", "--speed", "20", "--max-running-requests", "1"),
-            *("--enable-priority-scheduling", "--disable-priority-preemption"),
-        ]
+        ["--profile", "mi355x", "--workers", "1", "--speed", "20", "--max-running-requests", "1", *scheduling]
     )
     port = free_port_block(1)
     agent_args = ["--insecure", "--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "1", "--port", str(port)]
     agent_args += ["--scheduler", f"127.0.0.1:{free_port_block(1)}", "--worker-url", emulator.urls[0]]
     agent = start_python("agent", "nodes.agent", agent_args)
-    first_token_order: list[str] = []
+    order: list[str] = []
     try:
-        async with aiohttp.ClientSession() as http:
-            async with http.get(emulator.urls[0] + "/server_info") as resp:
-                assert (await resp.json())["enable_priority_scheduling"] is True
+        async with aiohttp.ClientSession() as http, http.get(emulator.urls[0] + "/server_info") as resp:
+            assert (await resp.json())["enable_priority_scheduling"] is priority_scheduling
         upstream = Upstream()
 
         async def one(name: str, tokens: int, tier: Tier) -> None:
@@ -204,28 +162,40 @@ async def test_a_worker_with_priority_scheduling_serves_its_queue_by_the_tier_th
             )
 
             def deliver(stream: SiteStream, delta: wire.TokenDelta) -> None:
-                if delta.completion_tokens and name not in first_token_order:
-                    first_token_order.append(name)
+                if delta.completion_tokens and name not in order:
+                    order.append(name)
 
-            stream = upstream.start("s", f"127.0.0.1:{port}", req, deliver)
-            try:
-                async with asyncio.timeout(60):
-                    await stream.done
-            finally:
-                stream.close()
+            await _streamed(upstream, port, req, deliver)
 
-        blocker = asyncio.ensure_future(one("block", 150, Tier.DEFAULT))
-        await asyncio.sleep(1.0)
+        long_ones = [asyncio.ensure_future(one(f"block{i}", 150, Tier.DEFAULT)) for i in range(blockers)]
+        await asyncio.sleep(1.0)  # the worker holds the first, the rest wait where they wait
         waiting = []
         for name, tier in (("flex", Tier.FLEX), ("default", Tier.DEFAULT), ("priority", Tier.PRIORITY)):
             waiting.append(asyncio.ensure_future(one(name, 5, tier)))
             await asyncio.sleep(0.2)
-        await asyncio.gather(blocker, *waiting)
+        await asyncio.gather(*long_ones, *waiting)
         await upstream.close()
     finally:
         agent.stop()
         emulator.stop()
-    assert first_token_order == ["block", "priority", "default", "flex"]
+    return [name for name in order if not name.startswith("block")]
+
+
+@pytest.mark.timeout(90)
+async def test_requests_waiting_at_the_agent_are_served_by_service_tier() -> None:
+    """The worker's headroom filled with long default requests: the flex, default and priority
+    ones wait at the agent, and the priority one is handed the first slot that frees, then the
+    default, then the flex."""
+    assert await _first_tokens_by_tier(False, 1 + HEADROOM_MIN) == ["priority", "default", "flex"]
+
+
+@pytest.mark.timeout(90)
+async def test_a_worker_with_priority_scheduling_serves_its_queue_by_the_tier_the_agent_sends() -> None:
+    """A worker started with SGLang's --enable-priority-scheduling says so in its server_info, and
+    the agent gives each request SGLang's priority for its tier: with one long request running,
+    the three fit in the worker's headroom and wait in the worker's own queue, which starts the
+    priority one first."""
+    assert await _first_tokens_by_tier(True, 1) == ["priority", "default", "flex"]
 
 
 def test_the_emulator_takes_priority_scheduling_as_sglang_does_and_refuses_what_it_does_not_model(
