@@ -131,6 +131,10 @@ class TieredQueue(Generic[T]):
     def waiting(self, tier: Tier) -> int:
         return len(self._queues[tier])
 
+    def counts(self) -> dict[str, int]:
+        """How many wait in each tier, by the tier's name (for metrics)."""
+        return {tier.label: len(self._queues[tier]) for tier in Tier}
+
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues)
 

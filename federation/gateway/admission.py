@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from core import supervise, wire
 from core.errors import BadRequest, TooBusy
-from core.tiers import Tier, TieredQueue
+from core.tiers import TieredQueue
 from federation.gateway.schedulers import Schedulers
 
 BUDGET_HEADER = "X-TTFT-Budget-Ms"
@@ -72,7 +72,7 @@ class Admission:
         return len(self._queue)
 
     def held_by_tier(self) -> dict[str, int]:
-        return {tier.label: self._queue.waiting(tier) for tier in Tier}
+        return self._queue.counts()
 
     async def route(self, req: wire.RouteRequest, budget: float | None) -> wire.RouteDecision:
         if budget is None:

@@ -110,7 +110,7 @@ class WorkerPool:
         return len(self._waiters)
 
     def waiting_by_tier(self) -> dict[str, int]:
-        return {tier.label: self._waiters.waiting(tier) for tier in Tier}
+        return self._waiters.counts()
 
     @property
     def accounting_count(self) -> int:
