@@ -144,7 +144,7 @@ async def _first_tokens_by_tier(priority_scheduling: bool, blockers: int) -> lis
     one asked in that order; the order in which their first tokens came."""
     scheduling = ["--enable-priority-scheduling", "--disable-priority-preemption"] if priority_scheduling else []
     emulator = launch(
-        ["--profile", "mi355x", "--workers", "1", "--speed", "20", "--max-running-requests", "1", *scheduling]
+        ["--profile", "mi355x", "--workers", "1", "--speed", "2", "--max-running-requests", "1", *scheduling]
     )
     port = free_port_block(1)
     agent_args = ["--insecure", "--site", "s", "--region", "r", "--gpu", "mi355x", "--gpus", "1", "--port", str(port)]
@@ -167,8 +167,10 @@ async def _first_tokens_by_tier(priority_scheduling: bool, blockers: int) -> lis
 
             await _streamed(upstream, port, req, deliver)
 
-        long_ones = [asyncio.ensure_future(one(f"block{i}", 150, Tier.DEFAULT)) for i in range(blockers)]
-        await asyncio.sleep(1.0)  # the worker holds the first, the rest wait where they wait
+        # each ~2.6 s long (1,000 steps of ~5 ms at twice real speed): the first still runs when
+        # the three are asked, 1.0 to 1.4 s in
+        long_ones = [asyncio.ensure_future(one(f"block{i}", 1000, Tier.DEFAULT)) for i in range(blockers)]
+        await asyncio.sleep(1.0)
         waiting = []
         for name, tier in (("flex", Tier.FLEX), ("default", Tier.DEFAULT), ("priority", Tier.PRIORITY)):
             waiting.append(asyncio.ensure_future(one(name, 5, tier)))
