@@ -20,12 +20,14 @@ from pathlib import Path
 import openai
 import pytest
 import redis
+import redis.asyncio
 
 from core.pki import Identity, Role
 from core.processes import Child, free_port_block, start_python
+from core.tiers import Tier
 from federation.drills.stores import RedisServer
 from federation.embedded import Federation
-from federation.gateway import quota
+from federation.gateway import keystore, quota
 from federation.linkproxy import BLACKHOLE_SIGNAL
 from tests.test_federation import MODEL
 
@@ -222,7 +224,9 @@ def test_fedctl_keys_lists_sets_and_revokes_a_files_keys_and_refuses_bad_input(t
     assert " 5 " in _fedctl_keys("set", "erin", "--max-concurrent", "5", "--file", file)
     assert "no key named 'frank'" in _fedctl_keys_fails("revoke", "frank", "--file", file)
     assert "a key named 'erin' exists" in _fedctl_keys_fails("add", "erin", "--file", file)
-    assert "give --rpm, --tpm or --max-concurrent" in _fedctl_keys_fails("set", "erin", "--file", file)
+    assert "give --rpm, --tpm, --max-concurrent, --default-tier or --max-tier" in _fedctl_keys_fails(
+        "set", "erin", "--file", file
+    )
     _fedctl_keys("revoke", "erin", "--file", file)
     assert "erin" not in _fedctl_keys("list", "--file", file)
     # A store that is not there is named, without a trace; a store given without its region is refused.
@@ -266,3 +270,22 @@ async def test_a_client_that_leaves_while_its_keys_share_is_taken_gives_it_back(
     finally:
         gateway.stop()
         link.stop()
+
+
+async def test_a_keys_tiers_are_kept_in_the_stores_and_served_by_every_gateway(
+    redis_servers: list[RedisServer],
+) -> None:
+    """`fedctl keys add|set --default-tier --max-tier --redis` writes a key's service tiers to every
+    region's store, and a gateway's table reads them back (core/tiers.py)."""
+    stores = [a for i, s in enumerate(redis_servers) for a in ("--redis", f"r{i}={s.url}")]
+    key = _fedctl_keys("add", "batch", "--default-tier", "flex", *stores)
+    assert "flex (<= priority)" in _fedctl_keys("set", "batch", "--max-tier", "priority", *stores)
+    for server in redis_servers:
+        store = redis.asyncio.Redis.from_url(server.url)
+        table = keystore.StoreKeys(store)
+        await table.refresh()
+        holder = table.holder(f"Bearer {key}")
+        await store.aclose()
+        assert holder is not None and holder[0] == "batch"
+        limits = holder[1]
+        assert limits.tier(None) is Tier.FLEX and limits.tier("priority") is Tier.PRIORITY
