@@ -243,7 +243,7 @@ async def test_the_gateways_metrics_flush_restarts_after_raising() -> None:
         return True
 
     with capture_logs() as logs:
-        task = gateway_metrics.start_flushing(degraded, lambda: 0)
+        task = gateway_metrics.start_flushing(degraded, dict)
         try:
             for _ in range(100):
                 if asked >= 2 and gateway_metrics.DEGRADED._value.get() == 1:
