@@ -35,6 +35,7 @@ from nodes.emulator.prefix_cache import (
     SWA_FULL_TOKENS_RATIO,
     CacheConfig,
     PriorityScheduling,
+    priority_policy_refused,
 )
 from nodes.emulator.server import WorkerServer
 from nodes.emulator.worker import Faults, WorkerConfig
@@ -179,10 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"use one of {', '.join(SCHEDULE_POLICIES)}"
         )
     if args.enable_priority_scheduling and args.schedule_policy not in PRIORITY_POLICIES:
-        p.error(  # SGLang's own check, in its words
-            "To use priority scheduling, schedule_policy must be 'fcfs' or 'lof'. "
-            f"'{args.schedule_policy}' is not supported."
-        )
+        p.error(priority_policy_refused(args.schedule_policy))
     if args.enable_priority_scheduling and not args.disable_priority_preemption:
         p.error(
             "--enable-priority-scheduling: SGLang also preempts running requests for waiting ones of a higher "

@@ -67,6 +67,12 @@ class PriorityScheduling:
 PRIORITY_POLICIES = ("fcfs", "lof")  # SGLang allows priority scheduling with these only
 
 
+def priority_policy_refused(policy: str) -> str:
+    """SGLang's own refusal of priority scheduling under another policy, in its words
+    (arg_groups/validation_hook.py)."""
+    return f"To use priority scheduling, schedule_policy must be 'fcfs' or 'lof'. '{policy}' is not supported."
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """The server arguments that shape the prefix cache and the admission order."""
@@ -86,10 +92,7 @@ class CacheConfig:
                 f"schedule_policy {self.schedule_policy!r} is not emulated; use one of {SCHEDULE_POLICIES}"
             )
         if self.priority.enabled and self.schedule_policy not in PRIORITY_POLICIES:
-            raise ValueError(  # SGLang's own check (arg_groups/validation_hook.py), in its words
-                "To use priority scheduling, schedule_policy must be 'fcfs' or 'lof'. "
-                f"'{self.schedule_policy}' is not supported."
-            )
+            raise ValueError(priority_policy_refused(self.schedule_policy))
 
 
 def namespace(extra_key: str | None, cache_salt: str | None) -> bytes:

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nodes.emulator.prefix_cache import ceil_page, estimate_swa_tokens, floor_page
 from nodes.emulator.radix_cache import RadixTree
@@ -34,7 +35,7 @@ from nodes.emulator.sequence import PREFILLING, SeqState
 
 if TYPE_CHECKING:
     from nodes.emulator.kv_pools import KvPools
-    from nodes.emulator.prefix_cache import PrefixCache
+    from nodes.emulator.prefix_cache import PrefixCache, PriorityScheduling
     from nodes.emulator.sequence import Sequence
 
 CLIP_MAX_NEW_TOKENS = 4096  # SGLang clips max_new_tokens to this when estimating KV need
@@ -54,29 +55,27 @@ def refresh_block(rounds: int) -> int:
 def order_waiting(cache: PrefixCache, waiting: deque[Sequence], refresh: bool) -> None:
     """Order the queue for a round as the policy does, with its effects on the cache; `refresh`:
     a waiting-prefix refresh falls due in this round (or in a step since the last one)."""
-    policy, priority = cache.config.schedule_policy, cache.config.priority
+    policy = cache.config.schedule_policy
+    if policy == "lpm" and cache.enabled and len(waiting) <= WAITING_QUEUE_PREFIX_MATCH_MAX:
+        _longest_prefix_first(cache, waiting)  # never under priority scheduling (CacheConfig refuses it)
+        return
+    key = _sort_key(policy, cache.config.priority)
+    if key is not None:
+        _reorder(waiting, sorted(waiting, key=key))
+    if refresh and cache.enabled:
+        for i in range(min(len(waiting), WAITING_QUEUE_PREFIX_MATCH_MAX) - 1, -1, -1):
+            cache.touch(waiting[i])
+
+
+def _sort_key(policy: str, priority: PriorityScheduling) -> Callable[[Sequence], Any] | None:
+    """calc_priority's sort key for fcfs and lof, with or without priority scheduling (None: the
+    queue stays in arrival order)."""
     if priority.enabled:
         sign = priority.sign
         if policy == "lof":
-            _reorder(waiting, sorted(waiting, key=lambda s: (s.priority * sign, -s.max_new_tokens)))
-        else:
-            _reorder(waiting, sorted(waiting, key=lambda s: (s.priority * sign, s.queue_entry_at)))
-        if refresh and cache.enabled:
-            for i in range(min(len(waiting), WAITING_QUEUE_PREFIX_MATCH_MAX) - 1, -1, -1):
-                cache.touch(waiting[i])
-        return
-    if not cache.enabled:
-        if policy == "lof":
-            _reorder(waiting, sorted(waiting, key=lambda s: -s.max_new_tokens))
-        return
-    if policy == "lpm" and len(waiting) <= WAITING_QUEUE_PREFIX_MATCH_MAX:
-        _longest_prefix_first(cache, waiting)
-        return
-    if policy == "lof":
-        _reorder(waiting, sorted(waiting, key=lambda s: -s.max_new_tokens))
-    if refresh:
-        for i in range(min(len(waiting), WAITING_QUEUE_PREFIX_MATCH_MAX) - 1, -1, -1):
-            cache.touch(waiting[i])
+            return lambda s: (s.priority * sign, -s.max_new_tokens)
+        return lambda s: (s.priority * sign, s.queue_entry_at)
+    return (lambda s: -s.max_new_tokens) if policy == "lof" else None
 
 
 def _longest_prefix_first(cache: PrefixCache, waiting: deque[Sequence]) -> None:
