@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import enum
 from collections.abc import Iterator
-from typing import Generic, Literal, TypeVar
+from typing import Generic, Literal, TypeVar, cast
 
 from core.errors import BadRequest, NotAllowed
 
@@ -34,7 +34,7 @@ class Tier(enum.IntEnum):
     @property
     def label(self) -> TierName:
         """Its name in OpenAI's `service_tier`."""
-        return _LABELS[self]
+        return cast(TierName, self.name.lower())
 
     @classmethod
     def named(cls, name: str) -> Tier:
@@ -42,9 +42,6 @@ class Tier(enum.IntEnum):
             return cls[name.upper()]
         except KeyError:
             raise ValueError(f"unknown service tier {name!r}: one of priority, default, flex") from None
-
-
-_LABELS: dict[Tier, TierName] = {Tier.PRIORITY: "priority", Tier.DEFAULT: "default", Tier.FLEX: "flex"}
 
 
 def resolve(asked: str | None, default: Tier = Tier.DEFAULT, ceiling: Tier = Tier.PRIORITY) -> Tier:

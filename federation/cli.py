@@ -66,6 +66,7 @@ TOOL_MODULES = ("hypothesis", "matplotlib", "mlperf_loadgen", "sglang_router", "
 CA_DIR = Path("federation-ca")  # `fedctl ca`'s directory unless --dir says another
 KEYS_FILE = Path("federation-keys.json")  # `fedctl keys`' file unless --file says another
 TIERS = [t.label for t in Tier]  # the service tiers a key may be given (core/tiers.py)
+SET_NEEDS = "fedctl keys set: give --rpm, --tpm, --max-concurrent, --default-tier or --max-tier"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -606,7 +607,7 @@ def _keys_in_file(args: argparse.Namespace) -> int:
         print(f"fedctl keys: {args.name} revoked in {args.file}", file=sys.stderr)
     else:
         if not _limit_changes(args):
-            print("fedctl keys set: give --rpm, --tpm, --max-concurrent, --default-tier or --max-tier", file=sys.stderr)
+            print(SET_NEEDS, file=sys.stderr)
             return 2
         entry = keys.set_limits(args.file, args.name, _limit_changes(args))
         _print_keys({args.name: entry})
@@ -632,7 +633,7 @@ def _keys_in_stores(args: argparse.Namespace, stores: dict[str, Any]) -> int:
         print(f"fedctl keys: {args.name} revoked in {len(stores)} store(s)", file=sys.stderr)
     else:
         if not _limit_changes(args):
-            print("fedctl keys set: give --rpm, --tpm, --max-concurrent, --default-tier or --max-tier", file=sys.stderr)
+            print(SET_NEEDS, file=sys.stderr)
             return 2
         _print_keys({args.name: keystore.set_limits(stores, args.name, _limit_changes(args))})
     return 0
