@@ -21,6 +21,7 @@ from core.pki import Identity
 from core.policy import POLICIES
 from core.recipes import DEFAULT_RECIPES, Recipe, RecipeError
 from core.settings import Timings, describe
+from core.tiers import TierName
 
 CONFIG_ENV = "FEDERATION_CONFIG"  # a YAML file used when --config is not given
 
@@ -189,6 +190,9 @@ class GatewaySection(_Section):
     # and one process has 20,000 file descriptors here; a federation at MLPerf load has more.
     processes: _POSITIVE_INT = 1
     ttft_budget_ms: Annotated[_NUMBER, Field(ge=0)] = 0.0  # latency mode when > 0 (federation/gateway/admission.py)
+    # Throughput mode: by service tier, the longest a request may expect to wait for a site
+    # before it is refused with 429 (0: no bound); a tier not named keeps core/tiers.py's.
+    patience_s: dict[TierName, Annotated[_NUMBER, Field(ge=0)]] = {}
     api_keys: StrictStr = ""  # the keys file (`fedctl keys add`), from the file's directory; "": an open endpoint
     open: StrictBool = False  # serve without api_keys on a host other than loopback, on purpose
     # Open connections one client address may hold at a gateway process (0: no cap). A bench's

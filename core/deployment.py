@@ -76,6 +76,7 @@ def gateway_args(config: Config, schedulers: Sequence[str] | None = None) -> lis
         *(["--api-keys", config.gateway.api_keys] if config.gateway.api_keys else []),
         *(["--open"] if config.gateway.open else []),
         *("--max-connections-per-address", str(config.gateway.max_connections_per_address)),
+        *(a for tier, s in config.gateway.patience_s.items() for a in ("--patience-s", f"{tier}={s:g}")),
         *tls_args(config, GATEWAY),
     ]
 

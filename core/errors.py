@@ -75,6 +75,13 @@ class TooBusy(FederationError):
         self.retry_after_s = retry_after_s
 
 
+class TierBusy(TooBusy):
+    """Throughput mode: every site would start the request later than its service tier waits
+    (its patience; core/tiers.py): come back later (HTTP 429 with Retry-After)."""
+
+    code = "tier_patience_exceeded"
+
+
 class Unauthorized(FederationError):
     """No API key, or one the gateway does not know (HTTP 401, as OpenAI answers)."""
 

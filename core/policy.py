@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from core.tiers import Tier
+from core.tiers import Tier, ahead_of
 from core.wire import RouteDecision, RouteRequest
 from core.work import expected_output_tokens
 
@@ -26,6 +26,8 @@ class SiteLoad:
     slots: int = 0  # requests its healthy workers run at once; 0: unknown
     prefill_s_per_token: float = 0.0  # measured speed applied to the GPU's prefill cost
     window: int = 0  # slow start: of its slots, how many it has proven it can fill (0: all)
+    # Of its outstanding requests, how many of each service tier (Tier's order); (): not said.
+    outstanding_by_tier: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +84,9 @@ def least_expected_delay(sites: Sequence[SiteLoad], req: RouteRequest, ctx: Rout
     more than `HIT_FILL_MARGIN`: a conversation's history keeps it where it is.
     Sites with free slots fill in proportion to their slots; once all are full, queues grow in
     proportion to capacity — every site saturated, none with an idle slot while another has a
-    queue. A site in slow start offers only the slots
+    queue. A request waits only behind the work of its own service tier and the tiers above
+    (a site serves its queue by tier), so priority work sees the soonest start for priority work.
+    A site in slow start offers only the slots
     it has proven (`window`): beyond them, its requests count as waiting. A flex request
     (core/tiers.py) counts no WAN round trip: it goes where capacity is spare, in any region,
     leaving the near sites' room to the interactive work a round trip matters to. None when no
@@ -94,10 +98,15 @@ def least_expected_delay(sites: Sequence[SiteLoad], req: RouteRequest, ctx: Rout
         """Seconds until this request's first token there: queue, WAN, prefill."""
         wan = ctx.rtt_s.get((req.client_region, s.region), 0.0) if counts_wan else 0.0
         prefill = max(0, req.prompt_tokens - ctx.cached_tokens.get(s.site, 0)) * s.prefill_s_per_token
-        if s.slots <= 0:  # the site does not say how many it runs: all its work counts as queued
-            return (s.outstanding_tokens + work) / s.capacity_tok_s + wan + prefill
+        ahead = ahead_of(req.tier, s.outstanding_by_tier, s.outstanding_requests)
+        if s.slots <= 0:  # the site does not say how many it runs: all the work ahead counts as queued
+            orq = s.outstanding_requests
+            queued = s.outstanding_tokens * ahead / orq if orq else s.outstanding_tokens
+            return (queued + work) / s.capacity_tok_s + wan + prefill
         open_slots = min(s.slots, s.window) if s.window else s.slots
         waiting = max(0, s.outstanding_requests + 1 - open_slots)
+        if waiting:  # every slot taken: it waits for one to free, behind its own tier and those above
+            waiting = max(1, ahead + 1 - open_slots)
         per_request = s.outstanding_tokens / s.outstanding_requests if s.outstanding_requests else work
         return waiting * per_request / s.capacity_tok_s + wan + prefill
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from core.policy import FILL_PENALTY_S, HIT_FILL_MARGIN, MIN_HIT_TOKENS, RouteContext, SiteLoad
-from core.tiers import Tier
+from core.tiers import Tier, ahead_of
 from core.wire import RouteDecision, RouteRequest
 from core.work import expected_output_tokens
 
@@ -37,6 +37,8 @@ class SiteColumns:
         self.window = np.zeros(size)
         self.prefill = np.zeros(size)
         self.region = np.zeros(size, dtype=np.intp)
+        # Per service tier (a column per Tier): the outstanding requests a request of it waits behind.
+        self.ahead = np.zeros((size, len(Tier)))
 
     _COLUMNS = (
         "ready",
@@ -47,6 +49,7 @@ class SiteColumns:
         "window",
         "prefill",
         "region",
+        "ahead",
     )
 
     def __len__(self) -> int:
@@ -81,6 +84,7 @@ class SiteColumns:
         self.window[row] = load.window
         self.prefill[row] = load.prefill_s_per_token
         self.region[row] = region
+        self.ahead[row] = [ahead_of(tier, load.outstanding_by_tier, load.outstanding_requests) for tier in Tier]
 
     def wan(self, client_region: str, rtt_s: Mapping[tuple[str, str], float]) -> np.ndarray | float:
         """Each row's round trip from `client_region` (0 where unknown, as the loop has it)."""
@@ -118,10 +122,13 @@ def least_expected_delay_columns(columns: SiteColumns, req: RouteRequest, ctx: R
     with np.errstate(divide="ignore", invalid="ignore"):  # rows that are no candidates may divide by 0
         wan = columns.wan(req.client_region if req.tier is not Tier.FLEX else "", ctx.rtt_s)  # flex: any region
         prefill = np.maximum(0, req.prompt_tokens - cached) * prefill_rate
+        ahead = columns.ahead[:n, req.tier]
         open_slots = np.where(window != 0, np.minimum(slots, window), slots)
         waiting = np.maximum(0, orq + 1 - open_slots)
+        waiting = np.where(waiting > 0, np.maximum(1, ahead + 1 - open_slots), 0)
         per_request = np.where(orq != 0, ot / orq, work)
-        queued = np.where(slots <= 0, (ot + work) / cap, waiting * per_request / cap)
+        unslotted = (np.where(orq != 0, ot * ahead / orq, ot) + work) / cap
+        queued = np.where(slots <= 0, unslotted, waiting * per_request / cap)
         delay = queued + wan + prefill
         fill = np.where(
             (window != 0) & (orq + 1 > window), 1.0, np.where(slots > 0, np.minimum(1.0, (orq + 1) / slots), 0.0)

@@ -22,6 +22,7 @@ import uvloop
 from tenacity import AsyncRetrying
 
 from core import logs
+from core.tiers import Tier
 
 # gRPC servers: a busy port is an error (gRPC shares it by default, mixing two federations),
 # and a burst of new calls is queued, not cancelled: grpc-core cancels calls beyond 1,000
@@ -172,6 +173,19 @@ def rtt_arg(text: str) -> tuple[str, str, float]:
     if not (math.isfinite(seconds) and seconds >= 0):
         raise argparse.ArgumentTypeError(f"a round trip is a number of ms >= 0, got {text!r}")
     return a, b, seconds
+
+
+def patience_arg(text: str) -> tuple[Tier, float]:
+    """`--patience-s flex=60` -> (Tier.FLEX, 60.0): the longest a tier's request may expect to wait
+    for a site in throughput mode (0: no bound)."""
+    name, _, seconds = text.partition("=")
+    try:
+        tier, value = Tier.named(name), float(seconds)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TIER=SECONDS (priority, default or flex), got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"a patience is a number of seconds >= 0, got {text!r}")
+    return tier, value
 
 
 def rtt_map(links: Iterable[tuple[str, str, float]]) -> dict[tuple[str, str], float]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Generic, Literal, TypeVar, cast
 
 from core.errors import BadRequest, NotAllowed
@@ -60,6 +60,21 @@ def resolve(asked: str | None, default: Tier = Tier.DEFAULT, ceiling: Tier = Tie
             param="service_tier",
         )
     return tier
+
+
+# Throughput mode's patience by default (the gateway's --patience-s TIER=S): flex work waits at
+# most this long for a site, else 429 with Retry-After (batch work, which can come back);
+# default and priority queue as deep as the work sent (an MLPerf Offline run sends it all at
+# once). Seconds of expected delay before the first token, by the sites' clock.
+PATIENCE_S: Mapping[Tier, float] = {Tier.FLEX: 60.0}
+
+
+def ahead_of(tier: Tier, by_tier: Sequence[int], total: int) -> int:
+    """Of the `total` requests outstanding at a site (`by_tier`: how many of each tier, in Tier's
+    order), those a request of `tier` waits behind there: its own tier's and the more urgent
+    ones, the site's queues being served by tier. All of them when the site does not say its
+    tiers (an empty `by_tier`)."""
+    return sum(by_tier[: tier + 1]) if by_tier else total
 
 
 # SGLang's request priority for each tier (0.5.23, --enable-priority-scheduling): larger is

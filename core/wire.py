@@ -139,6 +139,7 @@ class SiteReport:
     accounting_workers: int = 0  # healthy workers whose /metrics carry it
     loop_cpu_s: float = 0.0  # the agent's event loop's CPU seconds, cumulative
     relayed_tokens_total: int = 0  # output tokens the agent relayed, cumulative
+    outstanding_by_tier: tuple[int, ...] = ()  # of outstanding_requests, how many of each tier (Tier's order)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +159,16 @@ class RouteRequest:
     dry_run: bool = False  # decide, but do not count the route
     prefix_hashes: tuple[int, ...] = ()  # the prompt's block hashes (core/prefixes.py)
     tier: Tier = Tier.DEFAULT  # the request's service tier (core/tiers.py)
+    max_delay_s: float = 0.0  # the longest its first token may be expected to wait (0: no bound)
+
+    def commits(self, decision: RouteDecision) -> bool:
+        """Whether `decision` takes this request (counted at its site): not when only asked
+        (a dry run), nor when it expects a longer wait than the request may have (refused)."""
+        return not self.dry_run and not self.over_patience(decision)
+
+    def over_patience(self, decision: RouteDecision) -> bool:
+        """`decision` would start it later than it may wait: its gateway refuses it (429)."""
+        return 0 < self.max_delay_s < decision.expected_delay_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +233,7 @@ class SiteState:
     context_tokens: int = 0
     clock_speed: float = 1.0  # as the site registered it; prior_capacity_tok_s is in its time
     agent_ceiling_tok_s: float = 0.0  # what its agent can relay, while at its CPU ceiling (0: not)
+    outstanding_by_tier: tuple[int, ...] = ()  # of outstanding_requests, how many of each tier (Tier's order)
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,11 +422,14 @@ def federation_state_to_pb(s: FederationState) -> pb.FederationState:
 
 
 def site_state_pb_now(
-    m: pb.SiteState, outstanding: tuple[int, int, int], ages: tuple[float, float, float]
+    m: pb.SiteState, outstanding: tuple[int, int, int], by_tier: Sequence[int], ages: tuple[float, float, float]
 ) -> pb.SiteState:
     """`m`, a site's state built earlier, with its (outstanding requests, outstanding tokens,
-    routed requests) and (report, status, workers) ages of now: what changes between its reports."""
+    routed requests), its outstanding requests by tier and its (report, status, workers) ages
+    of now: what changes between its reports."""
     m.outstanding_requests, m.outstanding_tokens, m.routed_requests = outstanding
+    del m.outstanding_by_tier[:]
+    m.outstanding_by_tier.extend(by_tier)
     m.last_report_age_s, m.status_age_s, m.workers_age_s = ages
     return m
 
@@ -510,7 +525,8 @@ def registered_from_pb(m: pb.Registered) -> Registered:
 def report_from_pb(m: pb.SiteReport) -> SiteReport:
     values = {f.name: getattr(m, f.name) for f in fields(SiteReport)}
     work = WorkDone(**{f.name: getattr(m.work, f.name) for f in fields(WorkDone)})
-    return SiteReport(**{**values, "received_ids": tuple(m.received_ids), "work": work})
+    by_tier = tuple(m.outstanding_by_tier[: len(Tier)])
+    return SiteReport(**{**values, "received_ids": tuple(m.received_ids), "work": work, "outstanding_by_tier": by_tier})
 
 
 def command_from_pb(m: pb.SchedulerCommand) -> SchedulerCommand:
@@ -527,6 +543,7 @@ def route_request_from_pb(m: pb.RouteRequest) -> RouteRequest:
         m.dry_run,
         tuple(m.prefix_hashes[: prefixes.MAX_BLOCKS]),
         _tier_from_pb(m.tier),
+        m.max_delay_s,
     )
 
 
@@ -547,7 +564,8 @@ def route_answers_from_pb(m: pb.RouteAnswers) -> list[RouteAnswer]:
 
 def site_state_from_pb(m: pb.SiteState) -> SiteState:
     values = {f.name: getattr(m, f.name) for f in fields(SiteState)}
-    return SiteState(**{**values, "status": SiteStatus(m.status)})
+    by_tier = tuple(m.outstanding_by_tier[: len(Tier)])
+    return SiteState(**{**values, "status": SiteStatus(m.status), "outstanding_by_tier": by_tier})
 
 
 def federation_state_from_pb(m: pb.FederationState) -> FederationState:

@@ -21,6 +21,7 @@ from core.mtls import Tls
 from core.pki import SCHEDULER, Identity, Role
 
 ADMIN_TIMEOUT_S = 3.0
+MAX_METRICS_BYTES = 8 * 1024**2  # a gateway's /metrics, read at most (its per-key families grow with the keys)
 DRAIN_POLL_S = 0.5
 
 
@@ -58,6 +59,16 @@ def gateway_health(gateway_url: str) -> dict:
         return json.loads(exc.read() or b"{}")
     except (OSError, ValueError) as exc:
         return {"status": "unreachable", "reason": str(exc)}
+
+
+def gateway_metrics(gateway_url: str) -> str | None:
+    """The gateway's /metrics as text (every process's, when several share its port); None when
+    it does not answer: `fedctl status` then shows the sites without the gateway's tiers."""
+    try:
+        with urllib.request.urlopen(gateway_url + "/metrics", timeout=ADMIN_TIMEOUT_S) as resp:
+            return resp.read(MAX_METRICS_BYTES).decode()
+    except (OSError, ValueError):
+        return None
 
 
 class Refused(PermissionError):

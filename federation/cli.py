@@ -388,10 +388,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(status_view.unreachable_body(replicas, gateway), indent=2))
         return 1
+    gateway_metrics = admin.gateway_metrics(config.gateway_url)
     if args.json:
-        print(json.dumps(status_view.state_body(state, replicas), indent=2))
+        print(json.dumps(status_view.state_body(state, replicas, gateway_metrics), indent=2))
         return 0
-    print(status_view.state_table(state, replicas))
+    print(status_view.state_table(state, replicas, gateway_metrics))
     return 0
 
 
@@ -413,16 +414,17 @@ async def _print_updates(args: argparse.Namespace, addresses: list[str], operato
     async for update in watch.updates(addresses, operator, args.interval_s):
         at_unix_s = time.time()
         gateway = {} if update.state else await asyncio.to_thread(admin.gateway_health, gateway_url)
+        metrics = await asyncio.to_thread(admin.gateway_metrics, gateway_url) if update.state else None
         if args.json:
             body = (
-                status_view.state_body(update.state, update.replicas)
+                status_view.state_body(update.state, update.replicas, metrics)
                 if update.state
                 else status_view.unreachable_body(update.replicas, gateway)
             )
             print(json.dumps({"at_unix_s": round(at_unix_s, 3), **body}), flush=True)
             continue
         text = (
-            status_view.state_table(update.state, update.replicas)
+            status_view.state_table(update.state, update.replicas, metrics)
             if update.state
             else "\n".join(
                 [*status_view.unreachable_lines(addresses, gateway), status_view.schedulers_line(update.replicas)]

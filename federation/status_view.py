@@ -9,7 +9,11 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from core import wire
+from core.tiers import Tier
+from federation.dashboard.latency import from_samples, quantile
 
 SITE_COLUMNS = (
     "name",
@@ -62,17 +66,65 @@ def site_rows(state: wire.FederationState) -> list[dict]:
             "agent_ceiling_tok_s": round(s.agent_ceiling_tok_s, 1),
             # The clock the capacities are in: 1 for real GPUs, an emulated site's --speed.
             "clock_speed": s.clock_speed,
+            # Its outstanding requests by service tier, as the schedulers count them ({}: not said).
+            "outstanding_by_tier": {t.label: n for t, n in zip(Tier, s.outstanding_by_tier, strict=False)},
         }
         for s in state.sites
     ]
 
 
-def state_body(state: wire.FederationState, replicas: Mapping[str, str]) -> dict:
+TIER_COLUMNS = ("tier", "at_sites", "held", "ok", "refused", "failed", "ttft_p50_ms", "ttft_p99_ms")
+_GATEWAY_TIER_FIGURES = {  # from the gateway's /metrics: outcome -> column
+    "ok": "ok",
+    "refused": "refused",
+    "error": "failed",
+}
+
+
+def tier_rows(state: wire.FederationState, gateway_metrics: str | None) -> dict[str, dict]:
+    """Each service tier's queue and latency: its requests outstanding at the sites (as the
+    schedulers count them: queued or running), and from the gateway's /metrics (None: it did
+    not answer; those figures are then None) the requests it holds, those it finished by outcome
+    (refused: 429) and their TTFT percentiles since it started, interpolated in the histogram's
+    buckets as Prometheus' `histogram_quantile` does."""
+    rows = {tier.label: {"tier": tier.label, "at_sites": 0} for tier in Tier}
+    for site in state.sites:
+        for tier, count in zip(Tier, site.outstanding_by_tier, strict=False):
+            rows[tier.label]["at_sites"] += count
+    figures: dict[str, dict] = {label: dict.fromkeys(TIER_COLUMNS[2:]) for label in rows}
+    if gateway_metrics is not None:
+        buckets: dict[str, dict[float, float]] = {label: {} for label in rows}
+        for row in figures.values():
+            row.update({"held": 0, "ok": 0, "refused": 0, "failed": 0})
+        for family in text_string_to_metric_families(gateway_metrics):
+            for sample in family.samples:
+                row = figures.get(sample.labels.get("tier", ""))
+                if row is None:
+                    continue
+                if sample.name == "federation_gateway_tier_requests_total":
+                    column = _GATEWAY_TIER_FIGURES.get(sample.labels.get("outcome", ""))
+                    if column:
+                        row[column] += int(sample.value)
+                elif sample.name == "federation_gateway_tier_held_requests":
+                    row["held"] += int(sample.value)
+                elif sample.name == "federation_gateway_tier_ttft_seconds_bucket":
+                    counts = buckets[sample.labels["tier"]]
+                    bound = float(sample.labels["le"])
+                    counts[bound] = counts.get(bound, 0.0) + sample.value
+        for label, counts in buckets.items():
+            for q, column in ((0.5, "ttft_p50_ms"), (0.99, "ttft_p99_ms")):
+                seconds = quantile(q, from_samples(counts)) if counts else None
+                figures[label][column] = None if seconds is None else round(seconds * 1000, 1)
+    return {label: {**rows[label], **figures[label]} for label in rows}
+
+
+def state_body(state: wire.FederationState, replicas: Mapping[str, str], gateway_metrics: str | None = None) -> dict:
     """`fedctl status --json`'s object when a replica answered."""
     refused = [{"name": r.name, "reason": r.reason, "at_unix_s": round(r.at_unix_s, 3)} for r in state.refused]
     return {
         "model": state.model,
         "sites": site_rows(state),
+        "tiers": tier_rows(state, gateway_metrics),
         "refused": refused,
         "schedulers": dict(replicas),
         "degraded": False,
@@ -84,11 +136,20 @@ def unreachable_body(replicas: Mapping[str, str], gateway: dict) -> dict:
     return {"schedulers": dict(replicas), "degraded": True, "gateway": gateway}
 
 
-def state_table(state: wire.FederationState, replicas: Mapping[str, str]) -> str:
-    rows = site_rows(state)
-    widths = {c: max([len(c), *(len(str(r[c])) for r in rows)]) for c in SITE_COLUMNS}
-    lines = ["  ".join(c.ljust(widths[c]) for c in SITE_COLUMNS)]
-    lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in SITE_COLUMNS) for r in rows]
+def _table(columns: Sequence[str], rows: Sequence[Mapping]) -> list[str]:
+    """Left-aligned columns; a figure not known (None) as "-"."""
+    cells = [[("-" if r[c] is None else str(r[c])) for c in columns] for r in rows]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in cells]
+    return lines
+
+
+def state_table(state: wire.FederationState, replicas: Mapping[str, str], gateway_metrics: str | None = None) -> str:
+    lines = _table(SITE_COLUMNS, site_rows(state))
+    lines += ["", *_table(TIER_COLUMNS, list(tier_rows(state, gateway_metrics).values()))]
+    if gateway_metrics is None:
+        lines.append("(the gateway's /metrics did not answer: its held requests and latencies by tier are not shown)")
     for r in state.refused:
         lines.append(f"refused {r.name} at {time.strftime('%H:%M:%S', time.localtime(r.at_unix_s))}: {r.reason}")
     lines.append(schedulers_line(replicas))

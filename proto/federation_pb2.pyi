@@ -96,7 +96,7 @@ class Registered(_message.Message):
     def __init__(self, site: _Optional[str] = ..., prior_capacity_tok_s: _Optional[float] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
 
 class SiteReport(_message.Message):
-    __slots__ = ("site", "healthy_workers", "total_workers", "running_requests", "queued_requests", "kv_usage", "gen_throughput_tok_s", "outstanding_requests", "outstanding_tokens", "slots", "context_tokens", "received_ids", "prompt_tokens_total", "generation_tokens_total", "delivered_tok_s", "loading_workers", "work", "accounting_workers", "loop_cpu_s", "relayed_tokens_total")
+    __slots__ = ("site", "healthy_workers", "total_workers", "running_requests", "queued_requests", "kv_usage", "gen_throughput_tok_s", "outstanding_requests", "outstanding_tokens", "slots", "context_tokens", "received_ids", "prompt_tokens_total", "generation_tokens_total", "delivered_tok_s", "loading_workers", "work", "accounting_workers", "loop_cpu_s", "relayed_tokens_total", "outstanding_by_tier")
     SITE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_WORKERS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class SiteReport(_message.Message):
     ACCOUNTING_WORKERS_FIELD_NUMBER: _ClassVar[int]
     LOOP_CPU_S_FIELD_NUMBER: _ClassVar[int]
     RELAYED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     site: str
     healthy_workers: int
     total_workers: int
@@ -137,7 +138,8 @@ class SiteReport(_message.Message):
     accounting_workers: int
     loop_cpu_s: float
     relayed_tokens_total: int
-    def __init__(self, site: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., slots: _Optional[int] = ..., context_tokens: _Optional[int] = ..., received_ids: _Optional[_Iterable[str]] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., delivered_tok_s: _Optional[float] = ..., loading_workers: _Optional[int] = ..., work: _Optional[_Union[WorkDone, _Mapping]] = ..., accounting_workers: _Optional[int] = ..., loop_cpu_s: _Optional[float] = ..., relayed_tokens_total: _Optional[int] = ...) -> None: ...
+    outstanding_by_tier: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, site: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., slots: _Optional[int] = ..., context_tokens: _Optional[int] = ..., received_ids: _Optional[_Iterable[str]] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., delivered_tok_s: _Optional[float] = ..., loading_workers: _Optional[int] = ..., work: _Optional[_Union[WorkDone, _Mapping]] = ..., accounting_workers: _Optional[int] = ..., loop_cpu_s: _Optional[float] = ..., relayed_tokens_total: _Optional[int] = ..., outstanding_by_tier: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkDone(_message.Message):
     __slots__ = ("busy_s", "passes", "decode_seqs", "context_ktokens", "prefill_tokens", "cached_tokens")
@@ -166,7 +168,7 @@ class SchedulerCommand(_message.Message):
     def __init__(self, command: _Optional[_Union[Command, str]] = ..., reason: _Optional[str] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "client_region", "prompt_tokens", "max_tokens", "exclude_sites", "dry_run", "prefix_hashes", "tier")
+    __slots__ = ("request_id", "client_region", "prompt_tokens", "max_tokens", "exclude_sites", "dry_run", "prefix_hashes", "tier", "max_delay_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REGION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +177,7 @@ class RouteRequest(_message.Message):
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    MAX_DELAY_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     client_region: str
     prompt_tokens: int
@@ -183,7 +186,8 @@ class RouteRequest(_message.Message):
     dry_run: bool
     prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
     tier: ServiceTier
-    def __init__(self, request_id: _Optional[str] = ..., client_region: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_sites: _Optional[_Iterable[str]] = ..., dry_run: _Optional[bool] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[ServiceTier, str]] = ...) -> None: ...
+    max_delay_s: float
+    def __init__(self, request_id: _Optional[str] = ..., client_region: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_sites: _Optional[_Iterable[str]] = ..., dry_run: _Optional[bool] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[ServiceTier, str]] = ..., max_delay_s: _Optional[float] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
     __slots__ = ("site", "agent_address", "expected_delay_s", "reason")
@@ -245,7 +249,7 @@ class StateRequest(_message.Message):
     def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
 
 class SiteState(_message.Message):
-    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "status", "capacity_tok_s", "outstanding_requests", "outstanding_tokens", "routed_requests", "healthy_workers", "total_workers", "last_report_age_s", "prior_capacity_tok_s", "capacity_evidence", "queued_requests", "slots", "admit_window", "prefill_s_per_token", "status_age_s", "workers_age_s", "checkpoint", "weight_format", "loading_workers", "running_requests", "kv_usage", "gen_throughput_tok_s", "context_tokens", "clock_speed", "agent_ceiling_tok_s")
+    __slots__ = ("name", "region", "gpu", "gpus", "agent_address", "status", "capacity_tok_s", "outstanding_requests", "outstanding_tokens", "routed_requests", "healthy_workers", "total_workers", "last_report_age_s", "prior_capacity_tok_s", "capacity_evidence", "queued_requests", "slots", "admit_window", "prefill_s_per_token", "status_age_s", "workers_age_s", "checkpoint", "weight_format", "loading_workers", "running_requests", "kv_usage", "gen_throughput_tok_s", "context_tokens", "clock_speed", "agent_ceiling_tok_s", "outstanding_by_tier")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +280,7 @@ class SiteState(_message.Message):
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CLOCK_SPEED_FIELD_NUMBER: _ClassVar[int]
     AGENT_CEILING_TOK_S_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     name: str
     region: str
     gpu: str
@@ -306,7 +311,8 @@ class SiteState(_message.Message):
     context_tokens: int
     clock_speed: float
     agent_ceiling_tok_s: float
-    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., status: _Optional[_Union[SiteStatus, str]] = ..., capacity_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., prior_capacity_tok_s: _Optional[float] = ..., capacity_evidence: _Optional[str] = ..., queued_requests: _Optional[int] = ..., slots: _Optional[int] = ..., admit_window: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., status_age_s: _Optional[float] = ..., workers_age_s: _Optional[float] = ..., checkpoint: _Optional[str] = ..., weight_format: _Optional[str] = ..., loading_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., context_tokens: _Optional[int] = ..., clock_speed: _Optional[float] = ..., agent_ceiling_tok_s: _Optional[float] = ...) -> None: ...
+    outstanding_by_tier: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., region: _Optional[str] = ..., gpu: _Optional[str] = ..., gpus: _Optional[int] = ..., agent_address: _Optional[str] = ..., status: _Optional[_Union[SiteStatus, str]] = ..., capacity_tok_s: _Optional[float] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., healthy_workers: _Optional[int] = ..., total_workers: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., prior_capacity_tok_s: _Optional[float] = ..., capacity_evidence: _Optional[str] = ..., queued_requests: _Optional[int] = ..., slots: _Optional[int] = ..., admit_window: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., status_age_s: _Optional[float] = ..., workers_age_s: _Optional[float] = ..., checkpoint: _Optional[str] = ..., weight_format: _Optional[str] = ..., loading_workers: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., gen_throughput_tok_s: _Optional[float] = ..., context_tokens: _Optional[int] = ..., clock_speed: _Optional[float] = ..., agent_ceiling_tok_s: _Optional[float] = ..., outstanding_by_tier: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FederationState(_message.Message):
     __slots__ = ("sites", "model", "refused", "built_unix_s")

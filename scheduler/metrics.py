@@ -75,8 +75,8 @@ class SchedulerMetrics:
         self.registry = CollectorRegistry()
         self.routes = Counter(
             "federation_scheduler_routes",
-            "Route answers: outcome=routed (a site chosen and charged), dry_run (asked only), no_site (nothing "
-            "routable).",
+            "Route answers: outcome=routed (a site chosen and charged), dry_run (asked only), too_long (the soonest "
+            "start past the request's max_delay_s: not charged, its gateway refuses it), no_site (nothing routable).",
             ["site", "outcome"],
             registry=self.registry,
         )

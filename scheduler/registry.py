@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import structlog
@@ -18,6 +18,7 @@ from core.policy_columns import SiteColumns
 from core.prefixes import PrefixDirectory
 from core.recipes import DEFAULT_RECIPES
 from core.settings import SchedulerTimings
+from core.tiers import Tier
 from core.wire import RefusedSite, RouteRequest, SiteRegistration, SiteReport, SiteState, SiteStatus
 from core.work import expected_output_tokens
 from scheduler.capacity import CapacityEstimator
@@ -56,11 +57,12 @@ class Site:
     report: SiteReport | None = None
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
+    outstanding_by_tier: tuple[int, ...] = ()  # of its outstanding requests, by tier (): not said
     routed_requests: int = 0
     draining: bool = field(default=False)
-    # Routes the agent has not acknowledged yet, by request id: (when, expected tokens), oldest
-    # first. Added to what it reports, so a report older than a route cannot erase it.
-    in_transit: dict[str, tuple[float, int]] = field(default_factory=dict)
+    # Routes the agent has not acknowledged yet, by request id: (when, expected tokens, tier),
+    # oldest first. Added to what it reports, so a report older than a route cannot erase it.
+    in_transit: dict[str, tuple[float, int, Tier]] = field(default_factory=dict)
     # What routing weighs it by, kept from one report or route to the next (None: not routable):
     # computing a capacity per site per route cost milliseconds a route with a thousand sites.
     load: SiteLoad | None = None
@@ -216,7 +218,8 @@ class Registry:
             del site.in_transit[request_id]
             self._in_transit_at.pop(request_id, None)
         site.outstanding_requests = report.outstanding_requests + len(site.in_transit)
-        site.outstanding_tokens = report.outstanding_tokens + sum(tokens for _, tokens in site.in_transit.values())
+        site.outstanding_tokens = report.outstanding_tokens + sum(tokens for _, tokens, _ in site.in_transit.values())
+        site.outstanding_by_tier = _by_tier(report.outstanding_by_tier, site.in_transit.values())
         site.status = self._live_status(site)
         self._refresh(site)
 
@@ -279,6 +282,7 @@ class Registry:
                 site.report.slots if site.report else 0,
                 site.estimator.prefill_s_per_token(),
                 site.slow_start.window,
+                site.outstanding_by_tier,
             )
         self.columns.put(site.registration.name, site.load)
 
@@ -286,7 +290,10 @@ class Registry:
         """Its outstanding work changed by a route: only those figures are weighed anew."""
         if site.load is not None:
             site.load = replace(
-                site.load, outstanding_tokens=site.outstanding_tokens, outstanding_requests=site.outstanding_requests
+                site.load,
+                outstanding_tokens=site.outstanding_tokens,
+                outstanding_requests=site.outstanding_requests,
+                outstanding_by_tier=site.outstanding_by_tier,
             )
             self.columns.put(site.registration.name, site.load)
 
@@ -300,14 +307,16 @@ class Registry:
             if superseded is not None:
                 other.outstanding_requests -= 1
                 other.outstanding_tokens -= superseded[1]
+                other.outstanding_by_tier = _plus_one(other.outstanding_by_tier, superseded[2], -1)
                 self._charge(other)
         tokens = expected_output_tokens(req.max_tokens)
         self.prefixes.record(name, req.prefix_hashes)
         site.routed_requests += 1
-        site.in_transit[req.request_id] = (now, tokens)
+        site.in_transit[req.request_id] = (now, tokens, req.tier)
         self._in_transit_at[req.request_id] = name
         site.outstanding_requests += 1
         site.outstanding_tokens += tokens
+        site.outstanding_by_tier = _plus_one(site.outstanding_by_tier, req.tier, 1)
         self._charge(site)
 
     def states(self) -> tuple[SiteState, ...]:
@@ -365,4 +374,25 @@ class Registry:
             context_tokens=s.report.context_tokens if s.report else 0,
             clock_speed=s.estimator.clock_speed,
             agent_ceiling_tok_s=s.estimator.agent_ceiling_tok_s,
+            outstanding_by_tier=s.outstanding_by_tier,
         )
+
+
+def _by_tier(reported: Sequence[int], in_transit: Iterable[tuple[float, int, Tier]]) -> tuple[int, ...]:
+    """A site's outstanding requests by tier: as it reported them, with the routes it has not
+    acknowledged yet; () when it does not say its tiers."""
+    if not reported:
+        return ()
+    counts = [*reported, *[0] * (len(Tier) - len(reported))]
+    for _, _, tier in in_transit:
+        counts[tier] += 1
+    return tuple(counts)
+
+
+def _plus_one(by_tier: tuple[int, ...], tier: Tier, sign: int) -> tuple[int, ...]:
+    """`by_tier` with one request of `tier` more (sign 1) or fewer (-1); () stays ()."""
+    if not by_tier:
+        return by_tier
+    counts = list(by_tier)
+    counts[tier] = max(0, counts[tier] + sign)
+    return tuple(counts)

@@ -195,7 +195,8 @@ class SchedulerService(wire.SchedulerServicer):
         return wire.RouteAnswer(call.number, decision)
 
     def _decide(self, req: wire.RouteRequest) -> wire.RouteDecision | None:
-        """The site for `req` (None: no site is ready), counted unless it is a dry run."""
+        """The site for `req` (None: no site is ready), counted if the request takes it (not a
+        dry run, nor a wait past the request's `max_delay_s`: its gateway refuses it)."""
         started = time.perf_counter()
         cached = self.registry.prefixes.holders(req.prefix_hashes)
         context = RouteContext(self.rtt_s, self._decisions, cached)
@@ -206,11 +207,13 @@ class SchedulerService(wire.SchedulerServicer):
         if decision is None:
             self.metrics.routes.labels("", "no_site").inc()
             return None
-        if not req.dry_run:
+        committed = req.commits(decision)
+        if committed:
             self._decisions += 1
             self.registry.record_route(decision.site, req, time.monotonic())
         self.metrics.route_decision.observe(time.perf_counter() - started)
-        self.metrics.routes.labels(decision.site, "dry_run" if req.dry_run else "routed").inc()
+        outcome = "routed" if committed else "dry_run" if req.dry_run else "too_long"
+        self.metrics.routes.labels(decision.site, outcome).inc()
         return decision
 
     def _state(self) -> wire.FederationState:
@@ -228,7 +231,7 @@ class SchedulerService(wire.SchedulerServicer):
             if built is None or built[0] != s.version:
                 built = cached[name] = (s.version, wire.site_state_to_pb(registry.state_of(s)))
             outstanding = (s.outstanding_requests, s.outstanding_tokens, s.routed_requests)
-            sites.append(wire.site_state_pb_now(built[1], outstanding, registry.ages(s, now)))
+            sites.append(wire.site_state_pb_now(built[1], outstanding, s.outstanding_by_tier, registry.ages(s, now)))
         for name in [n for n in cached if n not in registry.sites]:
             del cached[name]
         return wire.federation_state_pb(sites, registry.model, tuple(registry.refused.values()), time.time())

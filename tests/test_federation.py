@@ -243,6 +243,9 @@ async def test_forty_requests_reach_both_sites(client: openai.AsyncOpenAI, feder
     # Every route acknowledged by the call it sent, every call finished: nothing left in transit.
     settled = poll_until(lambda: all(s["outstanding_requests"] == 0 for s in _status(path)["sites"]), 10, every_s=0.5)
     assert settled is not None, _status(path)["sites"]
+    tiers = _status(path)["tiers"]  # and by service tier: the sites' queues, the gateway's answers
+    assert tiers["default"]["ok"] >= 40 and tiers["default"]["ttft_p50_ms"] > 0, tiers
+    assert all(t["at_sites"] == 0 and t["held"] == 0 for t in tiers.values()), tiers
     assert set(status["sites"][0]) >= {  # the issue's keys; more may be added
         "name",
         "region",

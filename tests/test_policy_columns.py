@@ -1,8 +1,8 @@
 """`least_expected_delay_columns` decides exactly as `least_expected_delay` (core/policy.py):
 the scheduler routes with the columns, a gateway in degraded mode and the policy simulation with
 the loop, and a thousand sites must not change a decision. Held over generated federations:
-sites with and without slots, in slow start, full, excluded, holding a prompt's prefix, or not
-routable (a row whose site went down), and clients in known and unknown regions."""
+sites with and without slots, in slow start, full, excluded, holding a prompt's prefix, saying
+their outstanding work by tier or not, or not routable (a row whose site went down), and clients in known and unknown regions."""
 
 from __future__ import annotations
 
@@ -16,6 +16,13 @@ from core.wire import RouteRequest
 
 REGIONS = ("kr", "us", "eu")
 RTT = {(a, b): 0.001 if a == b else 0.13 for a in REGIONS for b in REGIONS if (a, b) != ("eu", "kr")}
+
+
+def _split(requests: int, draw) -> tuple[int, ...]:
+    """`requests` shared among the tiers, as a site's report says them."""
+    priority = draw(st.integers(0, requests))
+    default = draw(st.integers(0, requests - priority))
+    return (priority, default, requests - priority - default)
 
 
 @st.composite
@@ -36,6 +43,7 @@ def sites(draw) -> list[tuple[SiteLoad, bool]]:
             slots=slots,
             prefill_s_per_token=draw(st.sampled_from([0.0, 1e-5, 3.3e-5])),
             window=draw(st.sampled_from([0, 0, 1, 4, 32])),
+            outstanding_by_tier=draw(st.sampled_from([(), _split(requests, draw)])),
         )
         out.append((load, draw(st.booleans())))  # False: not routable now (down, draining)
     return out

@@ -14,7 +14,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from core import deployment, harmony, mtls, runtime, tokens, tracing
+from core import deployment, harmony, mtls, runtime, tiers, tokens, tracing
 from core.pki import GATEWAY
 from core.policy import POLICIES
 from core.settings import GatewayTimings, add_timings_argument
@@ -53,6 +53,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="latency mode: hold or refuse (429) requests no site can start within this (0: throughput mode)",
     )
     p.add_argument("--max-held", type=int, default=MAX_HELD, help="requests held for a site in latency mode, at most")
+    p.add_argument(
+        "--patience-s",
+        type=runtime.patience_arg,
+        action="append",
+        default=None,
+        help="TIER=SECONDS, repeatable: in throughput mode, refuse (429) a request of that service tier that no "
+        "site would start within SECONDS (0: no bound; default: flex=60, the others unbounded)",
+    )
     p.add_argument(
         "--retry-budget-s",
         type=runtime.positive_float,
@@ -164,6 +172,7 @@ async def serve(args: argparse.Namespace) -> int:
         args.model,
         ttft_budget_ms=args.ttft_budget_ms,
         max_held=args.max_held,
+        patience_s=tiers.PATIENCE_S if args.patience_s is None else {**tiers.PATIENCE_S, **dict(args.patience_s)},
         failover=failover,
         policy=args.policy,
         rtt_s=runtime.rtt_map(args.rtt_ms),

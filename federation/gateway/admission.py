@@ -17,6 +17,14 @@ The queue is served by service tier (core/tiers.py), priority first; a full queu
 newest request of a lower tier than the one arriving (429, Retry-After) before that one.
 10,000 held requests cost the scheduler nothing while they wait (they used to ask it 20 times
 a second each).
+
+In throughput mode a tier may have a patience (`--patience-s TIER=S`; flex's by default): the
+longest a request of it may expect to wait for its first token. The route carries it
+(`max_delay_s`); a decision that expects longer is not charged at the site, and the request is
+refused with 429 and Retry-After, before it holds anything anywhere. The expected delay counts
+only the work of the request's own tier and the tiers above (core/policy.py), so flex is refused
+first, then default, and priority only when priority work alone fills every site that long.
+Only a request's first route has a patience: a retry or a resume is never refused for its tier.
 """
 
 from __future__ import annotations
@@ -25,11 +33,12 @@ import asyncio
 import dataclasses
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from core import supervise, wire
-from core.errors import BadRequest, TooBusy
-from core.tiers import TieredQueue
+from core.errors import BadRequest, TierBusy, TooBusy
+from core.tiers import PATIENCE_S, Tier, TieredQueue
 from federation.gateway.schedulers import Schedulers
 
 BUDGET_HEADER = "X-TTFT-Budget-Ms"
@@ -57,11 +66,12 @@ class _Held:
 
 
 class Admission:
-    def __init__(self, schedulers: Schedulers, max_held: int) -> None:
+    def __init__(self, schedulers: Schedulers, max_held: int, patience_s: Mapping[Tier, float] = PATIENCE_S) -> None:
         # with no new state (a scheduler lost), the queue's head is weighed this often
         self._check_s = schedulers.timings.hold_check_s
         self.schedulers = schedulers
         self.max_held = max_held
+        self.patience_s = patience_s  # throughput mode: by tier, the longest wait expected (absent: no bound)
         self._queue: TieredQueue[_Held] = TieredQueue()  # served by service tier (core/tiers.py)
         self._pump: asyncio.Task[None] | None = None
         self._soonest_s = 0.0  # the head's expected delay when last weighed (for Retry-After)
@@ -76,7 +86,7 @@ class Admission:
 
     async def route(self, req: wire.RouteRequest, budget: float | None) -> wire.RouteDecision:
         if budget is None:
-            return await self.schedulers.route(req)
+            return await self._route_within_patience(req)
         deadline = time.monotonic() + budget
         probe = dataclasses.replace(req, dry_run=True)
         best = await self.schedulers.route(probe)
@@ -117,6 +127,22 @@ class Admission:
             if not held.released.done():
                 held.released.cancel()  # left the queue: the pump drops it when it reaches it
         return await self.schedulers.route(req)
+
+    async def _route_within_patience(self, req: wire.RouteRequest) -> wire.RouteDecision:
+        """Throughput mode: the best site, unless it would start the request later than its tier waits."""
+        patience = self.patience_s.get(req.tier, 0.0)
+        if patience <= 0:
+            return await self.schedulers.route(req)
+        req = dataclasses.replace(req, max_delay_s=patience)
+        decision = await self.schedulers.route(req)
+        if req.over_patience(decision):  # not charged at the site: the scheduler saw the same
+            raise TierBusy(
+                f"Every site is busy with work that goes before {req.tier.label} requests: the soonest would start "
+                f"this one {decision.expected_delay_s:.0f} s from now, and {req.tier.label} requests wait at most "
+                f"{patience:g} s here.",
+                retry_after_s=max(1, math.ceil(decision.expected_delay_s - patience)),
+            )
+        return decision
 
     async def _release_forever(self) -> None:
         """While requests are held: at each new state, release the heads that fit, in order."""

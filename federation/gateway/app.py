@@ -56,6 +56,9 @@ class GatewayConfig:
     context_tokens: int = MODEL_CONTEXT_TOKENS
     ttft_budget_ms: float = 0.0  # latency mode when > 0 (a request's X-TTFT-Budget-Ms overrides it)
     max_held: int = MAX_HELD  # requests held for a site that can meet their budget, at most
+    patience_s: Mapping[tiers.Tier, float] = field(
+        default_factory=lambda: dict(tiers.PATIENCE_S)
+    )  # throughput mode, by tier
     failover: FailoverConfig = field(default_factory=FailoverConfig)
     policy: str = PREFIX_AWARE_POLICY  # what degraded mode decides with; a baseline's sends no prefix hashes
     rtt_s: dict[tuple[str, str], float] = field(default_factory=dict)  # and the round trips it weighs
@@ -306,7 +309,7 @@ def build_app(config: GatewayConfig) -> web.Application:
             list(config.scheduler_addresses), config.policy, config.rtt_s, config.timings, config.tls
         )
         app[SCHEDULERS_KEY].start()
-        app[ADMISSION_KEY] = admission.Admission(app[SCHEDULERS_KEY], config.max_held)
+        app[ADMISSION_KEY] = admission.Admission(app[SCHEDULERS_KEY], config.max_held, config.patience_s)
         app[BREAKERS_KEY] = SiteBreakers(config.timings.circuit_failures, config.timings.circuit_open_s)
         app[WRITES_KEY] = WriteBatch()
         flushing = metrics.start_flushing(lambda: app[SCHEDULERS_KEY].degraded, app[ADMISSION_KEY].held_by_tier)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import operator
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from core.mtls import INSECURE, Tls
 from core.pki import SCHEDULER
 from core.policy import POLICIES, RouteContext, SiteLoad
 from core.settings import GatewayTimings
+from core.tiers import Tier
 from core.work import expected_output_tokens
 from federation.gateway import metrics
 from federation.gateway.routestream import RouteFailed, RouteStream
@@ -48,6 +50,10 @@ FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLIN
 # State is pushed every `state_push_s`: a site down is known here within ~0.1 s of the scheduler.
 # A watched replica that sends nothing for `watch_silence_s` is cut off (its packets dropped,
 # not refused): the watch moves to the next, and routes skip it until it is watched again.
+
+
+def _no_routes_yet() -> tuple[int, int, tuple[int, ...]]:
+    return (0, 0, (0,) * len(Tier))
 
 
 class RoundTimedOut(Exception):
@@ -81,7 +87,8 @@ class Schedulers:
         self.state_at = 0.0
         self.watching: str | None = None  # the replica the watch reads now; None: none reachable
         self._local_routes = 0  # routes decided here while degraded
-        self._local_load: dict[str, tuple[int, int]] = defaultdict(lambda: (0, 0))  # since the last state
+        # Routes since the last state, per site: (requests, tokens, requests of each tier).
+        self._local_load: dict[str, tuple[int, int, tuple[int, ...]]] = defaultdict(_no_routes_yet)
         self._watch: asyncio.Task | None = None
         self._fresh = asyncio.Event()  # set by each state watched
 
@@ -159,7 +166,7 @@ class Schedulers:
         decision = self.estimate(req)
         if decision is None:
             raise NoCapacity("no scheduler reachable, and no site was ready when one last answered")
-        if not req.dry_run:
+        if req.commits(decision):
             self._local_routes += 1
             self.count_routed(decision.site, req)
         return dataclasses.replace(decision, reason="degraded")
@@ -173,7 +180,7 @@ class Schedulers:
         for s in self.state.sites:
             if s.status is not wire.SiteStatus.READY:
                 continue
-            requests, tokens = self._local_load[s.name]
+            requests, tokens, tiers = self._local_load[s.name]
             loads.append(
                 SiteLoad(
                     s.name,
@@ -186,14 +193,16 @@ class Schedulers:
                     s.slots,
                     s.prefill_s_per_token,
                     s.admit_window,
+                    tuple(map(operator.add, s.outstanding_by_tier, tiers)),
                 )
             )
         return self._policy(loads, req, RouteContext(self._rtt_s, self._local_routes))
 
     def count_routed(self, site: str, req: wire.RouteRequest) -> None:
         """A route to `site` the next state cannot show yet: estimates count it until then."""
-        requests, tokens = self._local_load[site]
-        self._local_load[site] = (requests + 1, tokens + expected_output_tokens(req.max_tokens))
+        requests, tokens, tiers = self._local_load[site]
+        tiers = tuple(n + (tier is req.tier) for tier, n in zip(Tier, tiers, strict=True))
+        self._local_load[site] = (requests + 1, tokens + expected_output_tokens(req.max_tokens), tiers)
 
     async def state_changed(self, timeout_s: float) -> None:
         """Returns at the next state watched, or after `timeout_s`."""

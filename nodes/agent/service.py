@@ -47,18 +47,21 @@ class _Ledger:
     def __init__(self) -> None:
         self.requests = 0
         self.tokens = 0
+        self.by_tier = [0] * len(Tier)  # of `requests`, how many of each service tier
         # Request ids of the Generate calls taken (served or refused) since the last report:
         # the schedulers' acknowledgement of their routes.
         self.received_ids: list[str] = []
 
-    def arrive(self, tokens: int) -> None:
+    def arrive(self, tokens: int, tier: Tier) -> None:
         self.requests += 1
         self.tokens += tokens
+        self.by_tier[tier] += 1
 
-    def leave(self, tokens: int) -> None:
+    def leave(self, tokens: int, tier: Tier) -> None:
         """A request that never reached a worker."""
         self.requests -= 1
         self.tokens -= tokens
+        self.by_tier[tier] -= 1
 
     def assign(self, worker: Worker, tokens: int) -> None:
         worker.outstanding_tokens += tokens
@@ -67,9 +70,10 @@ class _Ledger:
         self.tokens -= tokens
         worker.outstanding_tokens -= tokens
 
-    def close(self, worker: Worker, tokens_left: int) -> None:
+    def close(self, worker: Worker, tokens_left: int, tier: Tier) -> None:
         self.settle(worker, tokens_left)
         self.requests -= 1
+        self.by_tier[tier] -= 1
 
 
 @dataclass(slots=True)
@@ -233,7 +237,7 @@ class SiteAgentService(wire.SiteAgentServicer):
         """A worker slot for a request expected to produce `expected` tokens, counted in the ledger
         while it waits (in its service tier's place) and runs; SiteFailed if the site has no
         healthy worker or no slot in time."""
-        self.ledger.arrive(expected)
+        self.ledger.arrive(expected, tier)
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.timings.first_token_timeout_s):
@@ -241,7 +245,7 @@ class SiteAgentService(wire.SiteAgentServicer):
             self.metrics.queue_wait.observe(time.monotonic() - started)
             return worker
         except BaseException as exc:
-            self.ledger.leave(expected)
+            self.ledger.leave(expected, tier)
             if isinstance(exc, NoHealthyWorker):
                 raise SiteFailed(str(exc)) from None
             if isinstance(exc, TimeoutError):
@@ -310,7 +314,7 @@ class SiteAgentService(wire.SiteAgentServicer):
                 log.info("generate.aborting", request_id=req.request_id, rid=rid, worker=worker.url)
                 self._abort_soon(worker, rid)
             del self._held[record]
-            self.ledger.close(worker, expected - held.counted)
+            self.ledger.close(worker, expected - held.counted, req.tier)
             self.pool.release(worker)
 
     async def watch_calls(self) -> None:
@@ -373,6 +377,7 @@ class SiteAgentService(wire.SiteAgentServicer):
             delivered_tok_s=self.delivered.sample(),
             outstanding_requests=self.ledger.requests,
             outstanding_tokens=self.ledger.tokens,
+            outstanding_by_tier=tuple(self.ledger.by_tier),
             slots=self.pool.slots,
             context_tokens=sum(s.used_tokens for s in stats),
             received_ids=tuple(received),
