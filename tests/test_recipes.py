@@ -1,6 +1,6 @@
 """Every launch recipe's command line is one that SGLang's own `launch_server` parser accepts, with
 the values the agent meant: the built-in one-worker-per-GPU recipes (core.recipes.DEFAULT_RECIPES)
-and sgl-cookbook's TP8 ones (deploy/recipes-tp8.yaml).
+sgl-cookbook's TP8 ones (deploy/recipes-tp8.yaml) and the tier-ordering ones (deploy/recipes-tiers.yaml).
 
 The parser is SGLang 0.5.23's (`ServerArgs.add_cli_args`), installed without its GPU stack by
 scripts/install-sglang; .ci/run installs it, and under CI a missing SGLang fails these tests
@@ -25,6 +25,7 @@ from core.recipes import DEFAULT_RECIPES, Recipe, command_line, load_recipes, wo
 MODEL = "openai/gpt-oss-120b"  # the federation's served model name
 HOST, PORT = "0.0.0.0", 30123  # not SGLang's defaults (127.0.0.1, 30000), so they must come from the command line
 TP8 = load_recipes(PROJECT_ROOT / "deploy" / "recipes-tp8.yaml")
+TIERS = load_recipes(PROJECT_ROOT / "deploy" / "recipes-tiers.yaml")
 
 # What each recipe must start, written out here rather than read back from the recipe: the
 # checkpoint, the tensor-parallel size, and the quantization SGLang applies at load (None: the
@@ -34,6 +35,8 @@ EXPECTED = {
     "builtin-mi355x": (DEFAULT_RECIPES["mi355x"], "openai/gpt-oss-120b", 1, None),
     "tp8-mi300x": (TP8["mi300x"], "lmsys/gpt-oss-120b-bf16", 8, None),
     "tp8-mi355x": (TP8["mi355x"], "openai/gpt-oss-120b", 8, None),
+    "tiers-mi300x": (TIERS["mi300x"], "lmsys/gpt-oss-120b-bf16", 1, "fp8"),
+    "tiers-mi355x": (TIERS["mi355x"], "openai/gpt-oss-120b", 1, None),
 }
 
 
@@ -119,3 +122,17 @@ def test_tp8_recipes_take_a_whole_node() -> None:
         # an agent given the host's GPUs from 8 on (--first-gpu): its one worker takes those
         assert worker_env(recipe, 0, {}, first_gpu=8)["HIP_VISIBLE_DEVICES"] == "8,9,10,11,12,13,14,15"
         assert all(e["SGLANG_USE_AITER"] == "0" for e in envs)
+
+
+def test_the_tier_recipes_trade_lpm_for_sglangs_priority_order(server_args) -> None:
+    """deploy/recipes-tiers.yaml: SGLang parses its workers into fcfs with priority scheduling
+    (the only policies it allows it with), and the emulator, which starts from the same command
+    line, takes it too (preemption off: the emulator does not model it)."""
+    from nodes.emulator.__main__ import parse_args as emulator_args
+
+    for gpu in ("mi300x", "mi355x"):
+        argv = command_line(TIERS[gpu], MODEL, HOST, PORT)
+        parsed = launch_server_parses(server_args, argv)
+        assert parsed.schedule_policy == "fcfs" and parsed.enable_priority_scheduling
+        emulated = emulator_args([*argv, "--profile", gpu])
+        assert emulated.schedule_policy == "fcfs" and emulated.enable_priority_scheduling
