@@ -170,6 +170,9 @@ def test_a_workloads_flag_given_for_another_is_refused() -> None:
     assert proc.returncode == 2 and "multi-turn --scenario server needs --rate" in proc.stderr, proc.stderr
     proc = fedctl("bench", "--workload", "multi-turn", "--rate", "20")  # Offline: a rate would change nothing
     assert proc.returncode == 2 and "--rate is for --scenario server or --loadgen" in proc.stderr, proc.stderr
+    proc = fedctl("bench", "--workload", "tiers", "--peers", "round_robin")  # its phases are its own
+    assert proc.returncode == 2 and "--workload tiers runs its own two phases" in proc.stderr, proc.stderr
+    assert "--peers" in proc.stderr
 
 
 def test_scaling_gateways_out_is_a_datapath_measurement() -> None:
@@ -215,3 +218,35 @@ def test_the_reuse_workloads_measure_cache_hits_and_affinity(tmp_path: Path) -> 
         "200",
     )
     assert paced["requests"] == 16 * 3 and paced["requests_failed"] == 0 and paced["affinity"] >= 0.9, paced
+
+
+@pytest.mark.timeout(180)
+def test_the_tiers_workload_reports_each_tier_and_the_crash(tmp_path: Path) -> None:
+    """`--workload tiers`, small (one GPU a site, a second's windows): Offline, then 1.5x its rate
+    in priority, default and flex with the smaller site crashed in the middle. Each tier says its
+    TTFT and its requests ok, refused and failed; nothing fails; the crash names the site whose
+    streams it cut, and the resume order lists the tiers that resumed."""
+    config, _ = _config(
+        tmp_path, [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")], gpus=1
+    )
+    out = tmp_path / "tiers.json"
+    args = ["--config", str(config), "--speed", "0.2", "--output-mean", "60", "--output-sigma", "0"]
+    args += ["--workload", "tiers", "--warmup-s", "1", "--sustain-s", "1", "--max-in-flight", "2000"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "federation.cli", "bench", *args, "--json", str(out)],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["workload"] == "tiers" and report["offline_output_tokens_per_s"] > 0
+    assert report["steady_output_tokens_per_s"] > 0 and report["steady_over_offline"] > 0
+    assert set(report["tiers"]) == {"priority", "default", "flex"}
+    for tier, figures in report["tiers"].items():
+        assert figures["requests_ok"] > 0 and figures["failed"] == 0, (tier, figures)
+        assert figures["ttft_p50_ms"] <= figures["ttft_p99_ms"]
+    assert report["crash"]["site"] == "kr-mi300x"
+    assert set(report["crash"]["resume_order"]) <= {"priority", "default", "flex"}
+    assert set(report["meets"]) == {"priority", "flex", "steady", "priority_resumed_first"}

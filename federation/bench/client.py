@@ -45,6 +45,11 @@ class Result:
     prompt_tokens: int = 0  # as the usage says (the sample's, when it says none)
     cached_tokens: int = 0  # of the prompt, found in prefix caches (the usage's prompt_tokens_details)
     text: str = ""  # the answer, when kept (a conversation's next turn sends it back)
+    refused: bool = False  # answered 429 with a Retry-After: come back later, not a failure of the answer
+    # The longest wait between two of its text events, and when it ended (time.monotonic()): a
+    # stream resumed on another site after its first one crashed waits this long for its next token.
+    longest_gap_s: float = 0.0
+    longest_gap_end: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -84,6 +89,8 @@ def body(model: str, sample: Sample, stream_interval: int | None = None) -> byte
     }
     if stream_interval is not None:
         request["stream_interval"] = stream_interval
+    if sample.service_tier is not None:
+        request["service_tier"] = sample.service_tier
     return orjson.dumps(request)
 
 
@@ -101,7 +108,9 @@ class _Reading:
         self.first: float | None = None
         self.tokens, self.events, self.cached = 0, 0, 0
         self.counted_at: float | None = None  # when a chunk last said how many tokens had come
-        self.site, self.status = "", 0
+        self.last_text_at: float | None = None
+        self.longest_gap_s, self.longest_gap_end = 0.0, None
+        self.site, self.status, self.retry_after = "", 0, False
         self.hop_ms: float | None = None
         self.route_ms: float | None = None
         self.refusal: str | None = None
@@ -113,10 +122,12 @@ class _Reading:
         return Result(
             self.sample.index, self.started, self.first, end, self.tokens, self.site, error, cut, self.events,
             self.hop_ms, self.route_ms, self.prompt_tokens, self.cached, "".join(self.texts or ()),
+            self.status == 429 and self.retry_after, self.longest_gap_s, self.longest_gap_end,
         )  # fmt: skip
 
     def head(self, status: int, headers: dict[str, str]) -> None:
         self.status, self.site = status, headers.get(SITE_HEADER.lower(), "")
+        self.retry_after = "retry-after" in headers
         timing = headers.get("server-timing", "")
         hop, route = HOP.search(timing), ROUTE.search(timing)
         self.hop_ms, self.route_ms = (float(hop.group(1)) if hop else None), (float(route.group(1)) if route else None)
@@ -128,8 +139,13 @@ class _Reading:
         if "error" in event:
             raise AnswerFailed(f"stream error: {event['error']}")
         has_text = any(c.get("text") for c in event.get("choices", ()))
-        if has_text and self.texts is not None:
-            self.texts.extend(c.get("text") or "" for c in event["choices"])
+        if has_text:
+            now = time.monotonic()
+            if self.last_text_at is not None and now - self.last_text_at > self.longest_gap_s:
+                self.longest_gap_s, self.longest_gap_end = now - self.last_text_at, now
+            self.last_text_at = now
+            if self.texts is not None:
+                self.texts.extend(c.get("text") or "" for c in event["choices"])
         self.events += has_text
         usage = event.get("usage")
         if self.first is None and has_text:

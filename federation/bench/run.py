@@ -35,7 +35,7 @@ from core.config import Config, load
 from core.policy import POLICIES
 from core.processes import free_port_block
 from federation import admin
-from federation.bench import conversations, datapath, scenarios
+from federation.bench import conversations, datapath, scenarios, tiers
 from federation.bench.client import Result
 from federation.bench.estimates import NO_TRUTH, EstimateSampler
 from federation.bench.peers import ROUTER_POLICIES, FlatRouter
@@ -94,7 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "shared-prefix: SGLang's generated-shared-prefix set at its defaults (64 groups x 16 questions after "
         "a 2,048-token system prompt each, 128-token questions, 256-token answers); multi-turn: conversations "
         "whose history grows, at SGLang's multi-turn benchmark's defaults (256 conversations of 5 turns, "
-        "512-token opening and questions, 64-token answers; federation/bench/conversations.py)",
+        "512-token opening and questions, 64-token answers; federation/bench/conversations.py); tiers: "
+        "priority, default and flex (20/50/30 %%) at 1.5x the federation's Offline rate with a site crash, "
+        "on mlperf-like's lengths (federation/bench/tiers.py)",
     )
     for workload, flags in WORKLOAD_FLAGS.items():
         for dest, (default, what) in flags.items():
@@ -221,7 +223,7 @@ def _on_free_ports(config: Config) -> Config:
     return placed.with_gateway(port=gateway_port).with_scheduler(port=scheduler_port)
 
 
-WORKLOADS = ("mlperf-like", "shared-prefix", "multi-turn")
+WORKLOADS = ("mlperf-like", "shared-prefix", "multi-turn", "tiers")
 # Each workload's own flags (argparse's dest), their defaults and what they say. Given for
 # another workload they would change nothing, so they are refused (`workload_flags`).
 WORKLOAD_FLAGS: dict[str, dict[str, tuple[int, str]]] = {
@@ -474,6 +476,8 @@ def main(args: argparse.Namespace) -> int:
         print("fedctl bench: --scale-gateways N needs --datapath and N of 2 or more", file=sys.stderr)
         return 2
     samples = _samples(args)
+    if args.workload == "tiers":
+        return _tiers(args, samples)
     if args.datapath:
         return _datapath(args, samples)
     args.warmup_s = args.warmup_s or DEFAULT_WARMUP_S
@@ -546,6 +550,33 @@ def _datapath(args: argparse.Namespace, samples: list[Sample]) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     with (log_dir / "datapath.log").open("w") as log:
         return _write(datapath.run(args, samples, config, log), args.json)
+
+
+def _tiers(args: argparse.Namespace, samples: list[Sample]) -> int:
+    """Service tiers under overload, on the embedded federation (or --config's) only."""
+    others = {
+        "--endpoint": args.endpoint,
+        "--datapath": args.datapath,
+        "--loadgen": args.loadgen,
+        "--compare": args.compare,
+        "--peers": args.peers,
+        "--compare-standalone": args.compare_standalone,
+        "--rate": args.rate,
+        "--scenario server": args.scenario == "server",
+    }
+    given = [flag for flag, value in others.items() if value]
+    if given:
+        print(
+            f"fedctl bench: --workload tiers runs its own two phases; it does not take {', '.join(given)}",
+            file=sys.stderr,
+        )
+        return 2
+    args.max_in_flight = args.max_in_flight or scenarios.MAX_IN_FLIGHT
+    config = bench_config(args.config, args.speed, args.policy, args.stream_interval)
+    log_dir = (args.json.parent if args.json else Path(".")) / "bench-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    report = tiers.run(args, samples, config, log_dir / "tiers.log")
+    return _write({**report, "stream_interval": config.stream_interval}, args.json)
 
 
 def _loadgen(args: argparse.Namespace, samples: list[Sample]) -> int:

@@ -229,7 +229,7 @@ async def _sustain(c: _Client) -> list[Result]:
     return results
 
 
-def _percentile_ms(values: list[float], q: float, speed: float) -> float | None:
+def percentile_ms(values: list[float], q: float, speed: float) -> float | None:
     if not values:
         return None
     if len(values) == 1:
@@ -331,10 +331,10 @@ def summarize(
         "steady_window_s": round(steady_window_s * speed, 2),
         # Of the answered requests' prompt tokens, those found in prefix caches, as their usage says.
         "cache_hit_rate": round(sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)), 4),
-        "ttft_p50_ms": _percentile_ms(ttfts, 0.5, speed),
-        "ttft_p99_ms": _percentile_ms(ttfts, 0.99, speed),
-        "tpot_p50_ms": _percentile_ms(tpots, 0.5, speed),
-        "tpot_p99_ms": _percentile_ms(tpots, 0.99, speed),
+        "ttft_p50_ms": percentile_ms(ttfts, 0.5, speed),
+        "ttft_p99_ms": percentile_ms(ttfts, 0.99, speed),
+        "tpot_p50_ms": percentile_ms(tpots, 0.5, speed),
+        "tpot_p99_ms": percentile_ms(tpots, 0.99, speed),
         "per_site": dict(per_site),
         "speed": speed,
         "errors": dict(errors),

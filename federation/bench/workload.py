@@ -47,6 +47,7 @@ class Sample:
     prompt: str  # exactly `prompt_tokens` o200k tokens
     prompt_tokens: int
     output_tokens: int
+    service_tier: str | None = None  # asked as OpenAI's `service_tier` (None: not asked)
 
 
 # SGLang's bench_serving --dataset-name generated-shared-prefix, at its defaults (sglang
