@@ -147,7 +147,9 @@ def _table(columns: Sequence[str], rows: Sequence[Mapping]) -> list[str]:
 
 def state_table(state: wire.FederationState, replicas: Mapping[str, str], gateway_metrics: str | None = None) -> str:
     lines = _table(SITE_COLUMNS, site_rows(state))
-    lines += ["", *_table(TIER_COLUMNS, list(tier_rows(state, gateway_metrics).values()))]
+    lines += _table(
+        TIER_COLUMNS, list(tier_rows(state, gateway_metrics).values())
+    )  # no blank line: --watch's frames have them
     if gateway_metrics is None:
         lines.append("(the gateway's /metrics did not answer: its held requests and latencies by tier are not shown)")
     for r in state.refused:

@@ -103,8 +103,9 @@ def _states(update: dict) -> dict[str, str]:
 
 
 def test_plain_output_is_timestamped_tables_a_blank_line_apart(federation: tuple[Federation, Path]) -> None:
-    """Piped, the watch prints one table per update, each after a blank line and a timestamp,
-    with no terminal control codes; Ctrl-C ends it with exit 0 and nothing on stderr."""
+    """Piped, the watch prints one frame per update, each after a blank line and a timestamp: the
+    sites' table, then the tiers' (each tier's queue and latency), with no terminal control codes;
+    Ctrl-C ends it with exit 0 and nothing on stderr."""
     _, path = federation
     watch = Watch(path)
     try:
@@ -119,6 +120,9 @@ def test_plain_output_is_timestamped_tables_a_blank_line_apart(federation: tuple
         stamp, header, *rows, schedulers = frame.strip("\n").splitlines()
         assert TIMESTAMP.match(stamp), stamp
         assert header.split()[:5] == ["name", "region", "gpu", "gpus", "state"]
+        tiers_at = next(i for i, row in enumerate(rows) if row.split()[0] == "tier")
+        rows, tiers = rows[:tiers_at], rows[tiers_at + 1 :]
+        assert [row.split()[0] for row in tiers] == ["priority", "default", "flex"]
         assert sorted(row.split()[0] for row in rows) == ["kr-mi300x", "us-mi355x"]
         assert all(row.split()[4] == "ready" for row in rows)
         assert " watching" in schedulers
