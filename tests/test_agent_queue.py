@@ -142,7 +142,7 @@ async def _first_tokens_by_tier(priority_scheduling: bool, blockers: int) -> lis
     """One worker running one request at a time (with SGLang's priority scheduling, or not)
     behind an agent: `blockers` long default requests, then a flex, a default and a priority
     one asked in that order; the order in which their first tokens came."""
-    scheduling = ["--enable-priority-scheduling", "--disable-priority-preemption"] if priority_scheduling else []
+    scheduling = ["--enable-priority-scheduling"] if priority_scheduling else []  # 20 over 10: no preemption
     emulator = launch(
         ["--profile", "mi355x", "--workers", "1", "--speed", "2", "--max-running-requests", "1", *scheduling]
     )
@@ -204,12 +204,17 @@ def test_the_emulator_takes_priority_scheduling_as_sglang_does_and_refuses_what_
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     parse = emulator_main.parse_args
-    args = parse(["--profile", "mi300x", "--enable-priority-scheduling", "--disable-priority-preemption"])
+    args = parse(
+        ["--profile", "mi300x", "--enable-priority-scheduling", "--priority-scheduling-preemption-threshold", "5"]
+    )
     assert args.enable_priority_scheduling and args.schedule_policy == "fcfs"
+    (config,) = emulator_main.worker_configs(args)
+    assert config.cache.priority.preempts and config.cache.priority.threshold == 5
+    args = parse(["--profile", "mi300x", "--enable-priority-scheduling", "--disable-priority-preemption"])
+    assert not emulator_main.worker_configs(args)[0].cache.priority.preempts
     for extra, said in (
-        (["--schedule-policy", "lpm", "--disable-priority-preemption"], "schedule_policy must be 'fcfs' or 'lof'"),
-        ([], "add --disable-priority-preemption"),
-        (["--disable-priority-preemption", "--abort-on-priority-when-disabled"], "not emulated"),
+        (["--schedule-policy", "lpm"], "schedule_policy must be 'fcfs' or 'lof'"),
+        (["--abort-on-priority-when-disabled"], "not emulated"),
     ):
         with pytest.raises(SystemExit):
             parse(["--profile", "mi300x", "--enable-priority-scheduling", *extra])

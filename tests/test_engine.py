@@ -11,7 +11,8 @@ import pytest
 
 from core.gpus import PROFILES, GpuProfile
 from nodes.emulator.engine import Engine
-from nodes.emulator.sequence import Sequence
+from nodes.emulator.prefix_cache import CacheConfig, PriorityScheduling
+from nodes.emulator.sequence import SeqState, Sequence
 from nodes.emulator.stretch import KvShape, StepShape, Stretch
 from nodes.emulator.wakeups import StepWakeups
 
@@ -257,3 +258,58 @@ async def test_token_calls_survive_retraction(run_engine) -> None:
     for counts in observed:
         assert all(a < b for a, b in itertools.pairwise(counts))
         assert counts[-1] == 3000
+
+
+def _priority_seq(rid: str, priority: int, out: int, now: float) -> Sequence:
+    return Sequence(rid, 100, out, out, now, queue_entry_at=now, priority=priority)
+
+
+@pytest.mark.parametrize("preemption", [True, False])
+async def test_a_higher_priority_preempts_a_full_batch_past_the_threshold(run_engine, preemption: bool) -> None:
+    """SGLang's priority preemption (priority scheduling, threshold 10, strictly exceeded): with
+    both slots taken by flex work (priority 0), a priority request (20) takes the newest one's
+    slot at once; a default one (10) is not far enough above flex to, and waits for a slot to
+    free (the priority one's, when it ends: the preempted flex request waits behind it). With
+    --disable-priority-preemption the priority request waits too."""
+    priority = PriorityScheduling(enabled=True, preemption=preemption)
+    engine = run_engine(PROFILES["mi355x"], speed=50.0, max_running_requests=2, cache=CacheConfig(priority=priority))
+    loop = asyncio.get_running_loop()
+    flex = [_priority_seq(f"flex{i}", 0, 10**6, loop.time() + i * 0.001) for i in range(2)]
+    for s in flex:
+        engine.submit(s)
+    await asyncio.wait_for(asyncio.gather(*(s.first_token for s in flex)), 5)
+    urgent, default = _priority_seq("urgent", 20, 20, loop.time()), _priority_seq("default", 10, 20, loop.time())
+    engine.submit(default)
+    engine.submit(urgent)
+    if preemption:
+        await asyncio.wait_for(asyncio.gather(urgent.done, default.first_token), 5)
+        assert engine.preemptions == 1 and default.first_token_at >= urgent.finished_at
+        assert [s.retractions for s in flex] == [0, 1]  # the newest of the least favoured
+        assert flex[1].state is SeqState.WAITING
+        assert engine.retractions == 0  # a preemption is not a retraction for lack of KV
+    else:
+        await asyncio.sleep(0.5)
+        assert urgent.first_token_at is None and default.first_token_at is None and engine.preemptions == 0
+    for s in flex:
+        engine.abort(s, "test")  # a million tokens take a while: free the slots
+    await asyncio.wait_for(asyncio.gather(urgent.done, default.done), 5)
+    assert [engine.generated_tokens(s) for s in (urgent, default)] == [20, 20]
+
+
+async def test_a_preempted_request_ends_with_exactly_its_tokens(run_engine) -> None:
+    """Preempted mid-answer, a request waits, prefills its prompt and output again and goes on to
+    its exact length; its clients' counts only grow."""
+    priority = PriorityScheduling(enabled=True)
+    engine = run_engine(PROFILES["mi355x"], speed=200.0, max_running_requests=1, cache=CacheConfig(priority=priority))
+    loop = asyncio.get_running_loop()
+    flex = _priority_seq("flex", 0, 300, loop.time())
+    engine.submit(flex)
+    await asyncio.wait_for(flex.first_token, 5)
+    await asyncio.wait_for(_tokens_reached(engine, flex, 50), 5)
+    follow = asyncio.ensure_future(_follow(engine, flex))  # from 50 tokens on, through the preemption
+    urgent = _priority_seq("urgent", 20, 30, loop.time())
+    engine.submit(urgent)
+    counts = await asyncio.wait_for(follow, 10)
+    assert flex.retractions == 1 and engine.preemptions == 1
+    assert all(a < b for a, b in itertools.pairwise(counts)) and counts[-1] == 300
+    assert urgent.finished_at is not None and flex.finished_at is not None and urgent.finished_at < flex.finished_at

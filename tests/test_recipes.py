@@ -127,7 +127,7 @@ def test_tp8_recipes_take_a_whole_node() -> None:
 def test_the_tier_recipes_trade_lpm_for_sglangs_priority_order(server_args) -> None:
     """deploy/recipes-tiers.yaml: SGLang parses its workers into fcfs with priority scheduling
     (the only policies it allows it with), and the emulator, which starts from the same command
-    line, takes it too (preemption off: the emulator does not model it)."""
+    line, takes it too, SGLang's priority preemption on in both."""
     from nodes.emulator.__main__ import parse_args as emulator_args
 
     for gpu in ("mi300x", "mi355x"):
@@ -136,3 +136,4 @@ def test_the_tier_recipes_trade_lpm_for_sglangs_priority_order(server_args) -> N
         assert parsed.schedule_policy == "fcfs" and parsed.enable_priority_scheduling
         emulated = emulator_args([*argv, "--profile", gpu])
         assert emulated.schedule_policy == "fcfs" and emulated.enable_priority_scheduling
+        assert not parsed.disable_priority_preemption and not emulated.disable_priority_preemption

@@ -118,8 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cache.add_argument(
         "--enable-priority-scheduling",
         action="store_true",
-        help="sort the waiting queue by each request's priority (fcfs or lof only; with "
-        "--disable-priority-preemption: preemption is not emulated)",
+        help="sort the waiting queue by each request's priority (fcfs or lof only), and let a waiting request "
+        "preempt running ones of a lower priority when the batch is full",
     )
     cache.add_argument("--schedule-low-priority-values-first", action="store_true", help="as SGLang's")
     cache.add_argument("--default-priority-value", type=int, default=None, help="as SGLang's")
@@ -128,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--priority-scheduling-preemption-threshold",
         type=int,
         default=10,
-        help="as SGLang's (preemption is not emulated: only its default is taken)",
+        help="as SGLang's: a waiting request preempts running ones whose priority is more than this below its own",
     )
     cache.add_argument(
         "--abort-on-priority-when-disabled",
@@ -181,13 +181,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.enable_priority_scheduling and args.schedule_policy not in PRIORITY_POLICIES:
         p.error(priority_policy_refused(args.schedule_policy))
-    if args.enable_priority_scheduling and not args.disable_priority_preemption:
-        p.error(
-            "--enable-priority-scheduling: SGLang also preempts running requests for waiting ones of a higher "
-            "priority; the emulator does not model that: add --disable-priority-preemption"
-        )
-    if args.abort_on_priority_when_disabled or args.priority_scheduling_preemption_threshold != 10:
-        p.error("--abort-on-priority-when-disabled and --priority-scheduling-preemption-threshold are not emulated")
+    if args.abort_on_priority_when_disabled:
+        p.error("--abort-on-priority-when-disabled is not emulated")
     if args.radix_eviction_policy != "lru":
         p.error(f"--radix-eviction-policy {args.radix_eviction_policy}: only lru (SGLang's default) is emulated")
     if not 0 < args.port <= 65535 - args.workers + 1:
@@ -224,6 +219,8 @@ def worker_configs(args: argparse.Namespace) -> list[WorkerConfig]:
                     args.enable_priority_scheduling,
                     args.schedule_low_priority_values_first,
                     args.default_priority_value,
+                    preemption=not args.disable_priority_preemption,
+                    threshold=args.priority_scheduling_preemption_threshold,
                 ),
             ),
             enable_cache_report=args.enable_cache_report,

@@ -113,6 +113,8 @@ class Engine:
         self._waker: asyncio.Future[bool] | None = None
         self._aborted: list[Sequence] = []
         self.retractions = 0
+        self.preemptions = 0  # running requests sent back to the queue for waiting ones of a higher priority
+        self._preempted: list[Sequence] = []  # this round's, queued again once the adder is done
         self._wakeups: StepWakeups[Sequence] = StepWakeups()
         self._wake_timer: asyncio.TimerHandle | None = None
         self._wake_step = 0  # the step `_wake_timer` releases
@@ -356,7 +358,8 @@ class Engine:
         """One scheduling round: admissions (SGLang's get_new_batch_prefill), then the previous
         step's results (checkpoints, releases), then the decode check (retraction)."""
         self._drop_aborted()
-        if self.waiting and (self.prefilling or len(self.running) < self.max_running_requests):
+        preempts = self.cache.config.priority.preempts
+        if self.waiting and (preempts or self.prefilling or len(self.running) < self.max_running_requests):
             self._policy_rounds += 1
             block = refresh_block(self._policy_rounds)
             order_waiting(self.cache, self.waiting, block != self._refresh_block)
@@ -372,10 +375,13 @@ class Engine:
             max_running=self.max_running_requests,
             budget=self.profile.chunked_prefill_tokens,
             step=self.steps,
-            context=self._running_context(self.steps),
+            context=lambda: self._running_context(self.steps),
             reserved=reserved,
             now=self.boundary_t,
+            preempt=self._preempt_for if preempts else None,
         )
+        self.waiting.extend(self._preempted)  # SGLang queues them again after the round
+        self._preempted.clear()
         self._event_t = min(self._event_t, added.next_arrival)
         prefill = added.tokens
         self._apply_deferred()
@@ -435,6 +441,50 @@ class Engine:
             self.pools.evict_to_available(context, self.steps, RETRACT_DECODE_STEPS * kept)
         return retracted
 
+    def _preempt_for(self, seq: Sequence, lacking: float) -> tuple[int, float] | None:
+        """SGLang's `preempt_to_schedule`: the running requests of the least favoured priority
+        (the newest in the queue first among equals), while each is more than the threshold below
+        `seq`'s, until what they reserve for their output covers the KV tokens `seq` lacks (at
+        least one). They leave the batch, their KV freed and nothing of it cached, as a retraction
+        frees it, and are queued again after the round. Returns (how many, what they reserved),
+        or None when that does not suffice."""
+        priority = self.cache.config.priority
+        steps, victims = self.steps, []
+        for running in sorted(self.running, key=lambda s: (s.priority * -priority.sign, -s.queue_entry_at)):
+            if not priority.preempts_over(seq.priority, running.priority):
+                break
+            victims.append(running)
+            lacking -= self._reserved_for(running, steps)
+            if lacking <= 0:
+                break
+        if not victims or lacking > 0:
+            return None
+        freed = 0.0
+        for victim in victims:
+            freed += self._reserved_for(victim, steps)
+            self._send_back(victim)
+            self._preempted.append(victim)
+        self.preemptions += len(victims)
+        kept = len(self.running)
+        self.pools.evict_to_available(self._running_context(steps), steps, RETRACT_DECODE_STEPS * kept)
+        return len(victims), freed
+
+    def _reserved_for(self, seq: Sequence, steps: int) -> float:
+        """What admission reserves for a running request's output still to come (SGLang's
+        `_get_running_request_total_token_offset`, at the ratio the reserve is scaled by)."""
+        left = seq.max_new_tokens - (seq.generated + steps - seq.join_step)
+        return min(left, CLIP_MAX_NEW_TOKENS) * self._new_token_ratio
+
+    def _send_back(self, seq: Sequence) -> None:
+        """A running request out of the batch and waiting again (a retraction or a preemption):
+        its KV freed, nothing of it entering the cache; it will prefill its prompt and output
+        again, less what the cache still holds (SGLang's `release_req` and `reset_for_retract`)."""
+        self._leave_running(seq)
+        self.cache.release(seq, None, 0)
+        seq.state = SeqState.WAITING
+        seq.retractions += 1
+        seq.queue_entry_at = self.boundary_t
+
     def _retract_one(self) -> None:
         """Out of KV: send back the running sequence with the least output (SGLang's order) to the
         back of the queue; its KV is freed, nothing of it enters the cache."""
@@ -443,11 +493,7 @@ class Engine:
             self.running,
             key=lambda s: (s.generated + steps - s.join_step, -s.prompt_tokens),
         )
-        self._leave_running(victim)
-        self.cache.release(victim, None, 0)
-        victim.state = SeqState.WAITING
-        victim.retractions += 1
-        victim.queue_entry_at = self.boundary_t
+        self._send_back(victim)
         self.waiting.append(victim)
         self.retractions += 1
 

@@ -47,6 +47,21 @@ class PriorityScheduling:
     enabled: bool = False
     low_values_first: bool = False
     default_value: int | None = None  # --default-priority-value
+    # A waiting request preempts running ones of a priority more than `threshold` below its own
+    # when the batch is full (on unless --disable-priority-preemption; the threshold is
+    # --priority-scheduling-preemption-threshold, strictly exceeded).
+    preemption: bool = True
+    threshold: int = 10
+
+    @property
+    def preempts(self) -> bool:
+        """SGLang's enable_priority_preemption."""
+        return self.enabled and self.preemption
+
+    def preempts_over(self, waiting: int, running: int) -> bool:
+        """A request of priority `waiting` may preempt one of priority `running` (SGLang's
+        priority_diff, in the favoured direction, past the threshold)."""
+        return (waiting - running) * -self.sign > self.threshold
 
     def value_of(self, asked: int | None) -> int:
         """A request's priority in the queue: what it asked, else the server's default, else the

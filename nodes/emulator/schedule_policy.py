@@ -14,11 +14,12 @@ With the cache disabled, lpm is fcfs and nothing is refreshed.
 
 With --enable-priority-scheduling (fcfs and lof only), the queue is sorted by each request's
 priority first (larger first, unless --schedule-low-priority-values-first): fcfs then by when it
-entered the queue (a retracted request re-enters it when retracted), lof by the longest
-max_new_tokens. Priority preemption of running requests is not emulated: the emulator takes
-priority scheduling only with --disable-priority-preemption.
+entered the queue (a retracted or preempted request re-enters it then), lof by the longest
+max_new_tokens.
 
-Then the prefill adder (`PrefillAdder`) takes requests in that order for the next step.
+Then the prefill adder (`PrefillAdder`) takes requests in that order for the next step. With
+priority preemption (SGLang's default under priority scheduling), a request that finds the batch
+full by count preempts running requests (`preempt_to_schedule`, the engine's part).
 """
 
 from __future__ import annotations
@@ -114,6 +115,11 @@ class PrefillRound:
     next_arrival: float = math.inf
 
 
+# Makes room for a waiting request by preempting running ones, given the KV tokens it lacks:
+# (requests preempted, the KV reserve they freed), or None when it may not (the engine's).
+Preempt = Callable[["Sequence", float], "tuple[int, float] | None"]
+
+
 def add_prefill(
     cache: PrefixCache,
     pools: KvPools,
@@ -124,9 +130,10 @@ def add_prefill(
     max_running: int,
     budget: int,
     step: int,
-    context: int,
+    context: Callable[[], int],
     reserved: float,
     now: float,
+    preempt: Preempt | None = None,
 ) -> PrefillRound:
     """The next step's prompt chunks, as SGLang's prefill adder takes them
     (`managers/schedule_policy.py` `PrefillAdder`): the chunked request first, then waiting
@@ -136,7 +143,11 @@ def add_prefill(
     against the available and evictable KV, less `reserved` (what the running requests may still
     write) and what this round admitted; the SWA pool its own estimate. The prefix it gets from
     the cache is neither computed nor charged to the chunk budget; a request the budget cannot
-    finish is cut on a page and goes on next round. `context`: the running requests' ΣL."""
+    finish is cut on a page and goes on next round. `context`: the running requests' ΣL now.
+    With `preempt`, a request that finds the batch full by count makes room by preemption, as
+    SGLang's scheduler does under priority preemption: only then (a round cut short by the KV
+    pools never preempts, SGLang's batch_is_full being reset each round), and charged what it
+    would take less what the pools have left, from its last match."""
     page, window = cache.page, cache.window
     total = reprocessed = hits = rehits = 0
     offset, swa_offset = reserved, 0
@@ -148,16 +159,25 @@ def add_prefill(
         if total < seq.prefill_left:
             return PrefillRound(total, reprocessed)
         offset += ceil_page(total, page) + page
-    while waiting and budget > 0 and running + len(prefilling) < max_running:
+    while waiting and budget > 0:
         seq = waiting[0]
         if seq.queued_at > now:
             return PrefillRound(total, reprocessed, hits, rehits, seq.queued_at)
+        if running + len(prefilling) >= max_running:
+            if preempt is None:
+                break
+            max_new = min(seq.max_new_tokens - seq.generated, CLIP_MAX_NEW_TOKENS)
+            need = seq.prompt_tokens + seq.generated - seq.matched + max_new + page
+            room = preempt(seq, need - (pools.full_capacity - pools.full_used(context()) - offset))
+            if room is None:
+                break
+            running, offset = running - room[0], offset - room[1]
         match = cache.match(seq)
         seq.matched = match.length
         extend = seq.prompt_tokens + seq.generated - match.length
         max_new = min(seq.max_new_tokens - seq.generated, CLIP_MAX_NEW_TOKENS)
         cache.admit(seq, match)  # the check runs with the prefix locked (`_lock_node`)
-        fits = extend + max_new + page < pools.full_capacity - pools.full_used(context) - offset
+        fits = extend + max_new + page < pools.full_capacity - pools.full_used(context()) - offset
         if window is not None and fits:
             need = estimate_swa_tokens(ceil_page(extend, page), max_new, window=window, page=page, chunk_limit=budget)
             fits = need < pools.swa_capacity - pools.swa_used(step) - swa_offset

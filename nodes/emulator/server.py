@@ -66,6 +66,7 @@ def _state(worker: EmulatedWorker) -> dict[str, Any]:
             "max_running_requests": e.max_running_requests,
             "emitted_tokens": e.emitted_tokens_total(),
             "retractions": e.retractions,
+            "preemptions": e.preemptions,  # running requests sent back for waiting ones of a higher priority
         },
     }
 
