@@ -20,6 +20,8 @@ from core.policy import RouteContext, SiteLoad, least_expected_delay
 from core.settings import SchedulerTimings
 from core.tiers import Tier, ahead_of
 from federation import admin, status_view
+from federation.bench import tiers as tiers_bench
+from federation.bench.client import Result
 from federation.gateway import keys
 from scheduler.registry import Registry
 from tests.test_api_keys import _gateway, _routed
@@ -222,4 +224,47 @@ def test_fedctl_status_shows_each_tiers_queue_and_latency() -> None:
         "priority": 1,
         "default": 2,
         "flex": 2,
+    }
+
+
+def test_the_tiers_benchs_report_orders_resumes_and_counts_refusals_apart() -> None:
+    """`fedctl bench --workload tiers`'s JSON from plain results: per tier TTFT in GPU time (speed
+    0.5: wall seconds count half), a 429 with Retry-After counted as refused, not failed; the
+    streams the crash cut (begun at the crashed site, before it, ending after it) each with the
+    wait it saw, the tiers ordered by it."""
+    crash = tiers_bench.Crash("kr", at=100.0, after_s=50.0)
+
+    def result(i: int, site: str, first: float | None, end: float, gap: float = 0.0, **kw) -> Result:
+        return Result(i, 0.0, first, end, 10, site, longest_gap_s=gap, longest_gap_end=end if gap else None, **kw)
+
+    results = [
+        result(0, "kr", 1.0, 104.0, gap=1.0),  # priority, cut and resumed after 1 s
+        result(1, "kr", 1.0, 110.0, gap=4.0),  # default, after 4 s
+        result(2, "kr", 1.0, 130.0, gap=9.0),  # flex, after 9 s
+        result(3, "us", 2.0, 120.0, gap=0.5),  # flex at the other site: not cut
+        result(4, "kr", 1.0, 50.0),  # priority, over before the crash
+        result(5, "", None, 0.1, error="HTTP 429: ...", refused=True),  # flex refused
+        result(6, "", None, 0.1, error="HTTP 500: ..."),  # default failed
+    ]
+    tier_of = {0: Tier.PRIORITY, 1: Tier.DEFAULT, 2: Tier.FLEX, 3: Tier.FLEX, 4: Tier.PRIORITY, 5: Tier.FLEX}
+    tier_of[6] = Tier.DEFAULT
+    out = tiers_bench.report(results, tier_of, 0.5, tiers_bench.Rates(1000.0, 990.0, 7.5), crash)
+    assert out["tiers"]["priority"] == {
+        "ttft_p50_ms": 500.0,
+        "ttft_p99_ms": 500.0,
+        "requests_ok": 2,
+        "refused": 0,
+        "failed": 0,
+    }
+    assert (out["tiers"]["flex"]["refused"], out["tiers"]["flex"]["failed"]) == (1, 0)
+    assert (out["tiers"]["default"]["refused"], out["tiers"]["default"]["failed"]) == (0, 1)
+    resumes = out["crash"]["resumes"]
+    assert [resumes[t]["cut"] for t in ("priority", "default", "flex")] == [1, 1, 1]
+    assert [resumes[t]["gap_p50_ms"] for t in ("priority", "default", "flex")] == [500.0, 2000.0, 4500.0]
+    assert out["crash"]["resume_order"] == ["priority", "default", "flex"]
+    assert out["steady_over_offline"] == 0.99 and out["meets"] == {
+        "priority": True,
+        "flex": True,
+        "steady": True,
+        "priority_resumed_first": True,
     }
