@@ -32,19 +32,27 @@ KEYS = {
 }
 
 
-def _bench(tmp_path: Path, *args: str) -> dict:
-    config, _ = _config(tmp_path, [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")])
+TWO_SITES = [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")]
+
+
+def _run(tmp_path: Path, *args: str, **sites: int) -> dict:
+    """`fedctl bench ARGS` on Korea and the US (`sites`: `_config`'s, e.g. gpus); its JSON report."""
+    config, _ = _config(tmp_path, TWO_SITES, **sites)
     out = tmp_path / "bench.json"
-    common = ["--config", str(config), "--speed", "10", "--stream-interval", "16", "--output-mean", "60"]
     proc = subprocess.run(
-        [sys.executable, "-m", "federation.cli", "bench", *common, *args, "--json", str(out)],
+        [sys.executable, "-m", "federation.cli", "bench", "--config", str(config), *args, "--json", str(out)],
         cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=170,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+def _bench(tmp_path: Path, *args: str) -> dict:
+    """Fast and coarse: GPUs at ten times real speed, a stream event per 16 steps, short answers."""
+    return _run(tmp_path, "--speed", "10", "--stream-interval", "16", "--output-mean", "60", *args)
 
 
 @pytest.mark.timeout(180)
@@ -109,21 +117,8 @@ def test_datapath_reports_cpu_per_token_per_hop_beside_the_router(tmp_path: Path
     """`--datapath`, small: 24 streams at real speed and per-token pace through the federation,
     then every event as its own chunk, then the real sglang-router over the same workers; the
     issue's keys, each hop's CPU per token measured, nothing failed, the machine's load said."""
-    sites = [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")]
-    config, _ = _config(tmp_path, sites, gpus=1)
-    out = tmp_path / "datapath.json"
-    args = ["--datapath", "--config", str(config), "--speed", "1", "--max-in-flight", "24", "--requests", "120"]
-    args += ["--scale-gateways", "2"]
-    args += ["--output-mean", "60", "--warmup-s", "2", "--sustain-s", "2", "--json", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "federation.cli", "bench", *args],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    args = ["--datapath", "--speed", "1", "--max-in-flight", "24", "--requests", "120", "--scale-gateways", "2"]
+    report = _run(tmp_path, *args, "--output-mean", "60", "--warmup-s", "2", "--sustain-s", "2", gpus=1)
     assert report["stream_interval"] == 1
     for key in ("gateway_cpu_us_per_token", "agent_cpu_us_per_token", "router_cpu_us_per_token"):
         assert report[key] > 0, key
@@ -149,7 +144,8 @@ def test_datapath_reports_cpu_per_token_per_hop_beside_the_router(tmp_path: Path
     # Each agent's reporter process (its multiprocessing child, beside multiprocessing's tracker) is
     # measured as the agent's, the emulated workers it also started as the emulator's.
     processes = report["phases"]["federation"]["processes"]
-    assert 2 * len(sites) <= processes["agent"] <= 3 * len(sites) and processes["emulator"] >= len(sites), processes
+    sites = len(TWO_SITES)
+    assert 2 * sites <= processes["agent"] <= 3 * sites and processes["emulator"] >= sites, processes
     # Chunks on the agent's window carry many of these short steps' tokens; asked for, a chunk per
     # worker event (the emulator merges a step or two when two cores fall behind it).
     phases = report["phases"]
@@ -226,21 +222,8 @@ def test_the_tiers_workload_reports_each_tier_and_the_crash(tmp_path: Path) -> N
     in priority, default and flex with the smaller site crashed in the middle. Each tier says its
     TTFT and its requests ok, refused and failed; nothing fails; the crash names the site whose
     streams it cut, and the resume order lists the tiers that resumed."""
-    config, _ = _config(
-        tmp_path, [("kr-mi300x", "ap-northeast-2", "mi300x"), ("us-mi355x", "us-west-2", "mi355x")], gpus=1
-    )
-    out = tmp_path / "tiers.json"
-    args = ["--config", str(config), "--speed", "0.2", "--output-mean", "60", "--output-sigma", "0"]
-    args += ["--workload", "tiers", "--warmup-s", "1", "--sustain-s", "1", "--max-in-flight", "2000"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "federation.cli", "bench", *args, "--json", str(out)],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    args = ["--speed", "0.2", "--output-mean", "60", "--output-sigma", "0", "--workload", "tiers"]
+    report = _run(tmp_path, *args, "--warmup-s", "1", "--sustain-s", "1", "--max-in-flight", "2000", gpus=1)
     assert report["workload"] == "tiers" and report["offline_output_tokens_per_s"] > 0
     assert report["steady_output_tokens_per_s"] > 0 and report["steady_over_offline"] > 0
     assert set(report["tiers"]) == {"priority", "default", "flex"}
