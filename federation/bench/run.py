@@ -46,6 +46,7 @@ from federation.bench.workload import (
     GSP_PROMPTS_PER_GROUP,
     MLPERF_LIKE_OUTPUTS,
     MLPERF_LIKE_PROMPTS,
+    SHORT_OUTPUTS,
     Sample,
     WorkloadSpec,
     shared_prefix_samples,
@@ -176,8 +177,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="plaintext gRPC between the federation's processes (default: mutual TLS), to measure what TLS costs",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-mean", type=int, default=MLPERF_LIKE_OUTPUTS.mean)
-    p.add_argument("--output-sigma", type=float, default=MLPERF_LIKE_OUTPUTS.sigma, help="log-normal spread; 0: fixed")
+    p.add_argument(
+        "--output-mean",
+        type=int,
+        default=None,
+        help=f"answer tokens, mean (default {MLPERF_LIKE_OUTPUTS.mean:,}; tiers: {SHORT_OUTPUTS.mean}, the drills')",
+    )
+    p.add_argument(
+        "--output-sigma",
+        type=float,
+        default=None,
+        help=f"log-normal spread; 0: fixed (default {MLPERF_LIKE_OUTPUTS.sigma}; tiers: {SHORT_OUTPUTS.sigma})",
+    )
     p.add_argument("--prompt-mean", type=int, default=MLPERF_LIKE_PROMPTS.mean)
     p.add_argument("--prompt-sigma", type=float, default=MLPERF_LIKE_PROMPTS.sigma)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -466,6 +477,9 @@ def main(args: argparse.Namespace) -> int:
     if (refused := workload_flags(args)) is not None:
         print(f"fedctl bench: {refused}", file=sys.stderr)
         return 2
+    outputs = SHORT_OUTPUTS if args.workload == "tiers" else MLPERF_LIKE_OUTPUTS
+    args.output_mean = outputs.mean if args.output_mean is None else args.output_mean
+    args.output_sigma = outputs.sigma if args.output_sigma is None else args.output_sigma
     if args.rate is not None and args.scenario != "server" and not args.loadgen:
         print("fedctl bench: --rate is for --scenario server or --loadgen (Offline sends at once)", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ from federation.embedded import Federation
 from scheduler.capacity import prior_capacity_tok_s
 
 OVERLOAD = 1.5  # arrivals over what the federation serves (the load)
+
 TIER_SHARES = {Tier.PRIORITY: 0.2, Tier.DEFAULT: 0.5, Tier.FLEX: 0.3}
 WARMUP_S = 20.0  # GPU s, each phase: longer than an answer of ~200 tokens lives at full batch
 WINDOW_S = 20.0  # GPU s, each phase's measured window

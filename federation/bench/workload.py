@@ -57,6 +57,10 @@ GSP_GROUPS, GSP_PROMPTS_PER_GROUP, GSP_SYSTEM_TOKENS, GSP_QUESTION_TOKENS, GSP_O
 
 MLPERF_LIKE_PROMPTS = LengthDistribution(MEAN_PROMPT_TOKENS, 0.5, 16, 8192)
 MLPERF_LIKE_OUTPUTS = LengthDistribution(MLPERF_MEAN_OUTPUT_TOKENS, 0.8)
+# Short answers, the drills' and the tiers bench's: requests end and new ones are routed all the
+# time, so shares, recovery and queues show within seconds (an MLPerf-length answer lives
+# minutes of GPU time, hours at the per-token pace this machine emulates them at).
+SHORT_OUTPUTS = LengthDistribution(200, 0.3)
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,7 +64,7 @@ from federation.bench import scenarios
 from federation.bench.client import Result
 from federation.bench.run import bench_config
 from federation.bench.truth import TruthLine, site_truth_tok_s, site_workloads, workload_of
-from federation.bench.workload import MLPERF_LIKE_PROMPTS, LengthDistribution, Sample, WorkloadSpec
+from federation.bench.workload import MLPERF_LIKE_PROMPTS, SHORT_OUTPUTS, LengthDistribution, Sample, WorkloadSpec
 from federation.drills import key_quota, timeline
 from federation.drills.dashboard_marks import DashboardMarks
 from federation.drills.faults import (
@@ -89,9 +89,6 @@ from scheduler.workload import Workload
 # speed (~13 k tokens/s) they leave this machine's cores room to fail over (what each token
 # costs across the processes: docs/BENCHMARKS.md, "SGLang's per-token pace").
 DRILL_SPEED = 0.05
-# Short answers: requests end and new ones are routed all the time, so shares and recovery show
-# within seconds (MLPerf-length answers live minutes at a quarter speed).
-DRILL_OUTPUT_TOKENS = LengthDistribution(200, 0.3)
 # Enough open requests to keep every slot of the surviving US site busy (16,384) with room,
 # and under one gateway process's 20,000 file descriptors.
 DRILL_OPEN_REQUESTS = 18_000
@@ -290,7 +287,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="decode steps per worker stream event (1: per token, as a real site; the JSON records it)",
     )
-    p.add_argument("--output-mean", type=int, default=DRILL_OUTPUT_TOKENS.mean)
+    p.add_argument("--output-mean", type=int, default=SHORT_OUTPUTS.mean)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
@@ -480,7 +477,7 @@ def _check_workers(site: str, workers: int) -> None:
 def _drill(target: Target, args: argparse.Namespace, site: str) -> dict[str, Any]:
     # The workload once the drill is known to be possible: four samples per open request (the
     # tokenizer's load and tokenizing tens of thousands of prompts) are not spent on a refusal.
-    output = dataclasses.replace(DRILL_OUTPUT_TOKENS, mean=args.output_mean)
+    output = dataclasses.replace(SHORT_OUTPUTS, mean=args.output_mean)
     workload = WorkloadSpec(4 * args.open_requests, args.seed, MLPERF_LIKE_PROMPTS, output).samples()
     fault: Fault = SCENARIOS[args.scenario](site, target)
     if isinstance(fault, SiteBrownout):
