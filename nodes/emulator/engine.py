@@ -449,8 +449,15 @@ class Engine:
         frees it, and are queued again after the round. Returns (how many, what they reserved),
         or None when that does not suffice."""
         priority = self.cache.config.priority
+
+        def least_favoured_first(s: Sequence) -> tuple[int, float]:
+            return (s.priority * -priority.sign, -s.queue_entry_at)
+
+        least = min(self.running, key=least_favoured_first, default=None)
+        if least is None or not priority.preempts_over(seq.priority, least.priority):
+            return None  # most rounds of a full batch: no running request is far enough below
         steps, victims = self.steps, []
-        for running in sorted(self.running, key=lambda s: (s.priority * -priority.sign, -s.queue_entry_at)):
+        for running in sorted(self.running, key=least_favoured_first):
             if not priority.preempts_over(seq.priority, running.priority):
                 break
             victims.append(running)
